@@ -1,0 +1,1 @@
+"""Interop with other RL libraries (optional dependencies, imported lazily)."""

@@ -1,0 +1,102 @@
+"""The standard batch keys of rollkit, their shapes and dtypes, in one place.
+
+A rollkit batch is a :class:`tensordict.TensorDict` (or a plain ``dict`` of tensors) with
+``batch_size=[B]``. ``B`` counts samples (prompt + response pairs, or agent steps) and ``T``
+counts response tokens, right-padded. Every primitive takes plain tensors; the adapters in
+:mod:`rollkit.td` read and write these keys so that a TensorDict user never unpacks a batch.
+
+=====================  ==========  ========  ==============================================
+key                    shape       dtype     meaning
+=====================  ==========  ========  ==============================================
+``response_mask``      ``[B, T]``  bool      tokens the policy generated (False for padding
+                                             and for environment / tool tokens)
+``logprobs``           ``[B, T]``  float     log pi_theta of the taken tokens (has grad)
+``old_logprobs``       ``[B, T]``  float     policy the PPO ratio is taken against
+``behavior_logprobs``  ``[B, T]``  float     log-probs reported by the rollout engine
+``ref_logprobs``       ``[B, T]``  float     reference policy, for KL
+``values``             ``[B, T]``  float     critic values
+``returns``            ``[B, T]``  float     return targets
+``advantages``         ``[B, T]``  float     advantages
+``rewards``            ``[B]``     float     sequence-level score
+``token_rewards``      ``[B, T]``  float     per-token rewards
+``group_ids``          ``[B]``     int       prompt / trajectory group / state group id
+``policy_version``     ``[B]``     int       weights version that started the sample
+=====================  ==========  ========  ==============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESPONSE_MASK = "response_mask"
+LOGPROBS = "logprobs"
+OLD_LOGPROBS = "old_logprobs"
+BEHAVIOR_LOGPROBS = "behavior_logprobs"
+REF_LOGPROBS = "ref_logprobs"
+VALUES = "values"
+OLD_VALUES = "old_values"
+RETURNS = "returns"
+ADVANTAGES = "advantages"
+REWARDS = "rewards"
+TOKEN_REWARDS = "token_rewards"
+GROUP_IDS = "group_ids"
+POLICY_VERSION = "policy_version"
+# Common auxiliary keys.
+LOGITS = "logits"
+RESPONSE_LENGTH = "response_length"
+STEP_IDS = "step_ids"
+LOSS = "loss"
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """Shape and dtype of a standard key. ``shape`` uses ``"B"`` and ``"T"`` as symbols."""
+
+    name: str
+    shape: tuple[str, ...]
+    dtype: str  # "bool", "float" or "int"
+    doc: str
+
+
+SPECS: dict[str, KeySpec] = {
+    s.name: s
+    for s in (
+        KeySpec(RESPONSE_MASK, ("B", "T"), "bool", "tokens the policy generated"),
+        KeySpec(LOGPROBS, ("B", "T"), "float", "log pi_theta of the taken tokens"),
+        KeySpec(OLD_LOGPROBS, ("B", "T"), "float", "policy the ratio is taken against"),
+        KeySpec(BEHAVIOR_LOGPROBS, ("B", "T"), "float", "rollout-engine log-probs"),
+        KeySpec(REF_LOGPROBS, ("B", "T"), "float", "reference-policy log-probs"),
+        KeySpec(VALUES, ("B", "T"), "float", "critic values"),
+        KeySpec(OLD_VALUES, ("B", "T"), "float", "critic values at rollout time"),
+        KeySpec(RETURNS, ("B", "T"), "float", "return targets"),
+        KeySpec(ADVANTAGES, ("B", "T"), "float", "advantages"),
+        KeySpec(REWARDS, ("B",), "float", "sequence-level reward"),
+        KeySpec(TOKEN_REWARDS, ("B", "T"), "float", "per-token reward"),
+        KeySpec(GROUP_IDS, ("B",), "int", "group id of each sample"),
+        KeySpec(POLICY_VERSION, ("B",), "int", "weights version that started the sample"),
+        KeySpec(RESPONSE_LENGTH, ("B",), "int", "number of generated tokens"),
+        KeySpec(STEP_IDS, ("B", "T"), "int", "turn index of each token (multi-turn)"),
+    )
+}
+
+__all__ = [
+    "ADVANTAGES",
+    "BEHAVIOR_LOGPROBS",
+    "GROUP_IDS",
+    "KeySpec",
+    "LOGITS",
+    "LOGPROBS",
+    "LOSS",
+    "OLD_LOGPROBS",
+    "OLD_VALUES",
+    "POLICY_VERSION",
+    "REF_LOGPROBS",
+    "RESPONSE_LENGTH",
+    "RESPONSE_MASK",
+    "RETURNS",
+    "REWARDS",
+    "SPECS",
+    "STEP_IDS",
+    "TOKEN_REWARDS",
+    "VALUES",
+]

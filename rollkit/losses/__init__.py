@@ -1,0 +1,18 @@
+"""Losses: policy objectives (PPO family and off-policy), KL, entropy, value, and aggregation.
+
+Every loss returns a :class:`rollkit.types.LossOutput` whose ``loss`` is the ``[B, T]``
+per-token matrix; :func:`aggregate` turns it into a scalar.
+"""
+
+from rollkit.losses.aggregation import *  # noqa: F403
+from rollkit.losses.aggregation import __all__ as _agg_all
+from rollkit.losses.entropy import *  # noqa: F403
+from rollkit.losses.entropy import __all__ as _ent_all
+from rollkit.losses.kl import *  # noqa: F403
+from rollkit.losses.kl import __all__ as _kl_all
+from rollkit.losses.policy import *  # noqa: F403
+from rollkit.losses.policy import __all__ as _policy_all
+from rollkit.losses.value import *  # noqa: F403
+from rollkit.losses.value import __all__ as _value_all
+
+__all__ = [*_policy_all, *_kl_all, *_ent_all, *_value_all, *_agg_all]

@@ -1,0 +1,231 @@
+"""Masked reductions and segment (group) operations: the vectorised building blocks of rollkit.
+
+Masks are ``torch.bool`` tensors of the shape of the data. Conventions, used everywhere:
+
+* ``masked_mean`` over an empty selection raises ``ValueError`` (a mean of nothing is
+  undefined), unless ``empty_value`` is given, which is then returned for empty slices.
+* ``masked_var`` states its bias: ``unbiased=True`` divides by ``n - 1`` (Bessel), ``False``
+  by ``n``. An unbiased variance needs ``n >= 2``.
+* Segment ops take ``index`` (``[B]`` int64 in ``[0, num_segments)``), as returned by
+  :func:`group_index`, and reduce along dimension 0 with ``index_add_`` (no Python loops).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollkit.validation import (
+    check_group_ids,
+    check_mask,
+    check_tensor,
+    value_checks_enabled,
+)
+
+__all__ = [
+    "broadcast_to_tokens",
+    "group_index",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "segment_count",
+    "segment_mean",
+    "segment_std",
+    "segment_sum",
+    "segment_var",
+]
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+    """Sum of ``x`` where ``mask`` is True.
+
+    Args:
+        x: ``[...]`` float tensor.
+        mask: bool tensor of the shape of ``x``.
+        dim: dimension(s) to reduce; ``None`` reduces everything to a scalar.
+
+    Masked-out entries are replaced by zero *before* summing (``torch.where``), so a NaN or
+    inf under the mask never leaks into the result or its gradient.
+
+    >>> masked_sum(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([True, False, True]))
+    tensor(4.)
+    """
+    check_tensor("x", x)
+    check_mask("mask", mask, x, "x")
+    z = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        return z.sum()
+    return z.sum(dim=dim, keepdim=keepdim)
+
+
+def _count(mask: Tensor, dim, keepdim: bool, dtype: torch.dtype) -> Tensor:
+    if dim is None:
+        return mask.sum().to(dtype)
+    return mask.sum(dim=dim, keepdim=keepdim).to(dtype)
+
+
+def masked_mean(
+    x: Tensor,
+    mask: Tensor,
+    dim: int | tuple[int, ...] | None = None,
+    keepdim: bool = False,
+    *,
+    empty_value: float | None = None,
+) -> Tensor:
+    """Mean of ``x`` over the entries where ``mask`` is True.
+
+        mean = sum(x * m) / sum(m)
+
+    Args:
+        x: float tensor. mask: bool tensor of the same shape.
+        dim: dimension(s) to reduce (``None``: all).
+        empty_value: value for a slice with no selected entry. ``None`` (default) raises
+            ``ValueError`` if any slice is empty.
+
+    >>> masked_mean(torch.tensor([[1.0, 3.0], [2.0, 0.0]]), torch.tensor([[True, True], [True, False]]), dim=-1)
+    tensor([2., 2.])
+    """
+    total = masked_sum(x, mask, dim, keepdim)
+    count = _count(mask, dim, keepdim, total.dtype)
+    empty = count == 0
+    if empty_value is None:
+        if value_checks_enabled() and bool(empty.any()):
+            where = "" if dim is None else f" ({int(empty.sum())} empty slice(s) along dim={dim})"
+            raise ValueError(f"mask: selects no elements{where}; a mean over nothing is undefined")
+        return total / count.clamp(min=1)
+    return torch.where(empty, torch.full_like(total, empty_value), total / count.clamp(min=1))
+
+
+def masked_var(
+    x: Tensor,
+    mask: Tensor,
+    dim: int | tuple[int, ...] | None = None,
+    keepdim: bool = False,
+    *,
+    unbiased: bool = True,
+) -> Tensor:
+    """Variance of ``x`` over the entries where ``mask`` is True.
+
+        var = sum(m * (x - mean)^2) / (n - 1)    if unbiased (default, Bessel's correction)
+        var = sum(m * (x - mean)^2) / n          otherwise
+
+    Two-pass (mean first), so it stays accurate when values are large and close together.
+    Raises ``ValueError`` if a slice has fewer than 2 (unbiased) or 1 (biased) selected entries.
+
+    >>> masked_var(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([True, True, True, False]))
+    tensor(1.)
+    """
+    mean = masked_mean(x, mask, dim, keepdim=True)
+    dev2 = (x - mean).square()
+    ss = masked_sum(dev2, mask, dim, keepdim)
+    n = _count(mask, dim, keepdim, ss.dtype)
+    need = 2 if unbiased else 1
+    if value_checks_enabled() and bool((n < need).any()):
+        raise ValueError(
+            f"mask: a {'n-1 (unbiased)' if unbiased else 'n (biased)'} variance needs at least "
+            f"{need} selected elements per slice, got {int(n.min())}"
+        )
+    return ss / (n - (1 if unbiased else 0)).clamp(min=1)
+
+
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    unbiased: bool = True,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Whiten ``x`` over all entries selected by ``mask``; entries outside the mask become 0.
+
+        y = (x - mean) / sqrt(var + eps)        (shift_mean=True)
+        y = (x - mean) / sqrt(var + eps) + mean (shift_mean=False: rescale, keep the mean)
+
+    ``var`` is :func:`masked_var` with the given ``unbiased`` flag (verl and OpenRLHF whiten
+    with the unbiased variance; TRL's ``whiten`` too).
+
+    >>> y = masked_whiten(torch.tensor([1.0, 2.0, 3.0]), torch.ones(3, dtype=torch.bool))
+    >>> torch.allclose(y, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-6)
+    True
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=unbiased)
+    y = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        y = y + mean
+    return torch.where(mask, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+# --------------------------------------------------------------------------- segments
+
+
+def group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """Map arbitrary group ids (any order, any values) to dense indices ``0..G-1``.
+
+    Returns ``(index, G)`` with ``index`` ``[B]`` int64. Groups are numbered by sorted id.
+
+    >>> group_index(torch.tensor([7, 3, 7, 9]))
+    (tensor([1, 0, 1, 2]), 3)
+    """
+    check_group_ids("group_ids", group_ids)
+    uniq, inverse = torch.unique(group_ids, sorted=True, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+def segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    """``out[g] = sum_{i: index[i] == g} x[i]`` along dimension 0. Shape ``[G, *x.shape[1:]]``."""
+    out = torch.zeros((num_segments, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return out.index_add(0, index, x)
+
+
+def segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Number of members of each segment, ``[G]``."""
+    ones = torch.ones(index.shape[0], dtype=dtype, device=index.device)
+    return segment_sum(ones, index, num_segments)
+
+
+def segment_mean(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    """Mean of each segment, ``[G, ...]``; an empty segment gives 0."""
+    count = segment_count(index, num_segments, x.dtype)
+    count = count.reshape(-1, *([1] * (x.ndim - 1)))
+    return segment_sum(x, index, num_segments) / count.clamp(min=1)
+
+
+def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
+    """Variance of each segment along dim 0 (two-pass), ``[G, ...]``.
+
+    ``unbiased=True`` divides by ``n - 1``; a segment with ``n <= 1`` then has variance 0 (a
+    singleton has no spread to estimate), which is the convention the estimators document.
+    """
+    mean = segment_mean(x, index, num_segments)
+    dev2 = (x - mean[index]).square()
+    count = segment_count(index, num_segments, x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+    denom = (count - 1) if unbiased else count
+    return segment_sum(dev2, index, num_segments) / denom.clamp(min=1)
+
+
+def segment_std(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
+    """Standard deviation of each segment: ``sqrt(segment_var)``."""
+    return segment_var(x, index, num_segments, unbiased=unbiased).sqrt()
+
+
+def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:
+    """Spread a ``[B]`` per-sequence value over the ``[B, T]`` tokens of ``mask`` (0 elsewhere).
+
+    A ``[B, T]`` input is returned with masked-out entries zeroed.
+
+    >>> broadcast_to_tokens(torch.tensor([2.0, -1.0]), torch.tensor([[True, False], [True, True]]))
+    tensor([[ 2.,  0.],
+            [-1., -1.]])
+    """
+    check_mask("mask", mask)
+    if values.ndim == 1:
+        if values.shape[0] != mask.shape[0]:
+            raise ValueError(
+                f"values: has {values.shape[0]} entries but mask has {mask.shape[0]} rows"
+            )
+        values = values.unsqueeze(-1).expand(mask.shape)
+    elif values.shape != mask.shape:
+        raise ValueError(f"values: shape {list(values.shape)} is neither [B] nor mask's {list(mask.shape)}")
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))

@@ -1,0 +1,187 @@
+"""Public hypothesis strategies that generate valid rollkit batches, for property tests.
+
+Use them in your own tests of loss math::
+
+    from hypothesis import given
+    from rollkit.testing import batches
+
+    @given(batches())
+    def test_my_loss_is_finite(b):
+        out = my_loss(b["logprobs"], b["old_logprobs"], b["advantages"], b["response_mask"])
+        assert torch.isfinite(out).all()
+
+Everything generated is *valid* input (bool masks, finite floats, int group ids); ragged
+masks (including fully masked rows and interior holes, as in multi-turn), arbitrary group ids
+(any order, any sizes, singletons) and extreme magnitudes are all drawn. Requires the
+``hypothesis`` package (the ``dev`` extra); importing this module without it raises a clear
+error.
+"""
+
+from __future__ import annotations
+
+try:
+    from hypothesis import strategies as st
+except ImportError as e:  # pragma: no cover - exercised only without the dev extra
+    raise ImportError(
+        "rollkit.testing needs hypothesis: pip install 'rollkit[dev]' (or pip install hypothesis)"
+    ) from e
+
+import torch
+
+__all__ = [
+    "batches",
+    "float_tensors",
+    "group_ids",
+    "logprob_tensors",
+    "masks",
+    "rewards",
+    "shapes",
+]
+
+
+@st.composite
+def shapes(draw, *, min_batch: int = 1, max_batch: int = 8, min_len: int = 1, max_len: int = 12):
+    """``(B, T)`` with ``min_batch <= B <= max_batch`` and ``min_len <= T <= max_len``."""
+    return (
+        draw(st.integers(min_batch, max_batch)),
+        draw(st.integers(min_len, max_len)),
+    )
+
+
+@st.composite
+def masks(
+    draw,
+    batch: int,
+    length: int,
+    *,
+    holes: bool = True,
+    allow_empty_rows: bool = True,
+    min_tokens: int = 1,
+):
+    """A ``[batch, length]`` bool response mask, right-padded with ragged lengths.
+
+    ``holes=True`` also clears interior positions (environment / tool tokens in multi-turn).
+    Unless ``allow_empty_rows``, every row keeps at least one token. At least ``min_tokens``
+    tokens are selected in the whole mask (``0`` allows an all-False mask).
+    """
+    lo = 0 if allow_empty_rows else 1
+    lens = draw(st.lists(st.integers(lo, length), min_size=batch, max_size=batch))
+    m = torch.arange(length).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    if holes and length > 1:
+        flat = draw(st.lists(st.booleans(), min_size=batch * length, max_size=batch * length))
+        hole = torch.tensor(flat).reshape(batch, length)
+        # keep the first token of each row so that a non-empty row stays non-empty
+        hole[:, 0] = False
+        m = m & ~hole
+    if int(m.sum()) < min_tokens:
+        m[0, : min(length, max(min_tokens, 1))] = True
+    return m
+
+
+@st.composite
+def group_ids(draw, batch: int, *, max_groups: int | None = None, min_group_size: int = 1):
+    """``[batch]`` int64 group ids in arbitrary order with arbitrary (possibly singleton) sizes.
+
+    Ids are arbitrary non-negative integers (not ``0..G-1``), shuffled. ``min_group_size > 1``
+    forces every group to have at least that many members (groups are then merged).
+    """
+    max_groups = max_groups or batch
+    labels = draw(st.lists(st.integers(0, max_groups - 1), min_size=batch, max_size=batch))
+    if min_group_size > 1:
+        k = max(1, batch // min_group_size)
+        labels = [lab % k for lab in labels]
+        counts = {lab: labels.count(lab) for lab in set(labels)}
+        small = [lab for lab, c in counts.items() if c < min_group_size]
+        if small:
+            target = max(counts, key=counts.get)
+            labels = [target if lab in small else lab for lab in labels]
+    offset = draw(st.integers(0, 1000))
+    stride = draw(st.sampled_from([1, 3, 17]))
+    return torch.tensor([offset + stride * lab for lab in labels], dtype=torch.int64)
+
+
+def _floats(low: float, high: float):
+    return st.floats(low, high, allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def float_tensors(
+    draw,
+    shape: tuple[int, ...],
+    *,
+    min_value: float = -10.0,
+    max_value: float = 10.0,
+    extreme: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
+    """A finite float tensor of ``shape``. ``extreme=True`` also draws magnitudes up to 1e6
+    and tiny values near 1e-6, clipped to ``[min_value, max_value]`` when those are tighter."""
+    n = 1
+    for s in shape:
+        n *= s
+    elems = _floats(min_value, max_value)
+    if extreme:
+        big = [v for v in (1e6, -1e6, 1e3, -1e3, 1e-6, -1e-6, 0.0) if min_value <= v <= max_value]
+        elems = st.one_of(elems, st.sampled_from(big)) if big else elems
+    values = draw(st.lists(elems, min_size=n, max_size=n))
+    return torch.tensor(values, dtype=dtype).reshape(shape)
+
+
+def rewards(batch: int, *, binary: bool = False, extreme: bool = False):
+    """``[batch]`` sequence rewards: 0/1 accuracies (``binary``) or finite floats."""
+    if binary:
+        return st.lists(st.sampled_from([0.0, 1.0]), min_size=batch, max_size=batch).map(
+            lambda v: torch.tensor(v, dtype=torch.float32)
+        )
+    return float_tensors((batch,), min_value=-100.0, max_value=100.0, extreme=extreme)
+
+
+def logprob_tensors(shape: tuple[int, ...], *, min_value: float = -20.0):
+    """Log-probabilities: finite values in ``[min_value, 0]``."""
+    return float_tensors(shape, min_value=min_value, max_value=0.0)
+
+
+@st.composite
+def batches(
+    draw,
+    *,
+    min_batch: int = 1,
+    max_batch: int = 8,
+    max_len: int = 12,
+    holes: bool = True,
+    allow_empty_rows: bool = True,
+    binary_rewards: bool = False,
+    max_log_ratio: float = 2.0,
+    extreme: bool = False,
+):
+    """A dict with every standard key of :mod:`rollkit.keys` (see its table for shapes).
+
+    ``old_logprobs``, ``behavior_logprobs`` and ``ref_logprobs`` differ from ``logprobs`` by at
+    most ``max_log_ratio`` per token (so ratios are in ``[e^-r, e^r]``) and stay ``<= 0``.
+    ``advantages`` are token-level, zero outside the mask. Tensors have no ``requires_grad``;
+    set it on ``logprobs`` where a test needs the gradient.
+    """
+    B, T = draw(shapes(min_batch=min_batch, max_batch=max_batch, max_len=max_len))
+    mask = draw(masks(B, T, holes=holes, allow_empty_rows=allow_empty_rows))
+    lp = draw(logprob_tensors((B, T)))
+
+    def near(x):
+        d = draw(float_tensors((B, T), min_value=-max_log_ratio, max_value=max_log_ratio))
+        return (x + d).clamp(max=0.0)
+
+    adv_seq = draw(float_tensors((B,), min_value=-5.0, max_value=5.0, extreme=extreme))
+    return {
+        "response_mask": mask,
+        "logprobs": lp,
+        "old_logprobs": near(lp),
+        "behavior_logprobs": near(lp),
+        "ref_logprobs": near(lp),
+        "values": draw(float_tensors((B, T), min_value=-5.0, max_value=5.0)),
+        "advantages": torch.where(mask, adv_seq[:, None].expand(B, T), torch.zeros(())),
+        "rewards": draw(rewards(B, binary=binary_rewards, extreme=extreme)),
+        "token_rewards": draw(float_tensors((B, T), min_value=-1.0, max_value=1.0)) * mask,
+        "group_ids": draw(group_ids(B)),
+        "policy_version": torch.tensor(
+            draw(st.lists(st.integers(0, 10), min_size=B, max_size=B)), dtype=torch.int64
+        ),
+    }

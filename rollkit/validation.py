@@ -1,0 +1,187 @@
+"""Input validation that fails early with a message naming the argument and the problem.
+
+Every check raises :class:`ValueError` (never ``AssertionError``) and never modifies its input.
+Shape and dtype checks are free (metadata only). Value checks (NaN/inf, empty masks) read the
+data, which costs a device synchronisation on a GPU; they can be switched off in a hot loop
+with :func:`value_checks`::
+
+    with rollkit.validation.value_checks(False):
+        adv = grpo_advantages(rewards, group_ids)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+_VALUE_CHECKS = True
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool) -> Iterator[None]:
+    """Turn the data-reading checks (finite values, non-empty masks) on or off in a block."""
+    global _VALUE_CHECKS
+    previous = _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS = previous
+
+
+def value_checks_enabled() -> bool:
+    return _VALUE_CHECKS
+
+
+def _shape(x: Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def check_tensor(name: str, x: object) -> Tensor:
+    """Raise unless ``x`` is a tensor."""
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_ndim(name: str, x: Tensor, ndim: int | Sequence[int]) -> None:
+    """Raise unless ``x.ndim`` is ``ndim`` (or one of them)."""
+    check_tensor(name, x)
+    allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+    if x.ndim not in allowed:
+        want = " or ".join(str(a) for a in allowed)
+        raise ValueError(f"{name}: expected {want} dimensions, got shape {_shape(x)}")
+
+
+def check_shape(name: str, x: Tensor, shape: Sequence[int | None]) -> None:
+    """Raise unless ``x.shape`` matches ``shape`` (``None`` matches any size)."""
+    check_tensor(name, x)
+    if x.ndim != len(shape) or any(s is not None and s != d for s, d in zip(shape, x.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(x.shape)}")
+
+
+def check_same_shape(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
+    """Raise unless ``x`` has the shape of ``ref``."""
+    check_tensor(name, x)
+    if x.shape != ref.shape:
+        raise ValueError(
+            f"{name}: shape {list(x.shape)} does not match {ref_name} shape {list(ref.shape)}"
+        )
+
+
+def check_float(name: str, x: Tensor) -> None:
+    """Raise unless ``x`` has a floating-point dtype."""
+    check_tensor(name, x)
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+
+
+def check_mask(name: str, mask: Tensor, like: Tensor | None = None, like_name: str = "") -> None:
+    """Raise unless ``mask`` is a bool tensor (of the shape of ``like`` when given).
+
+    Masks must be ``torch.bool``: a float or int mask is ambiguous (weights? 0/1?) and is
+    rejected rather than guessed at. Convert with ``mask.bool()``.
+    """
+    check_tensor(name, mask)
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"{name}: expected a torch.bool mask, got dtype {mask.dtype} (convert with .bool())"
+        )
+    if like is not None:
+        check_same_shape(name, mask, like_name or "input", like)
+
+
+def check_finite(name: str, x: Tensor) -> None:
+    """Raise if ``x`` holds NaN or +/-inf (skipped inside ``value_checks(False)``)."""
+    check_tensor(name, x)
+    if not _VALUE_CHECKS or not x.is_floating_point():
+        return
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(bad.sum()) - n_nan
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"{name}: contains {n_nan} NaN and {n_inf} inf values (first at index {first})"
+        )
+
+
+def check_nonempty(name: str, mask: Tensor) -> None:
+    """Raise if ``mask`` selects nothing (skipped inside ``value_checks(False)``)."""
+    if not _VALUE_CHECKS:
+        return
+    if mask.numel() == 0 or not bool(mask.any()):
+        raise ValueError(f"{name}: mask selects no elements; a mean over nothing is undefined")
+
+
+def check_group_ids(name: str, group_ids: Tensor, batch_size: int | None = None) -> None:
+    """Raise unless ``group_ids`` is a 1-D integer tensor (of length ``batch_size``)."""
+    check_tensor(name, group_ids)
+    if group_ids.dtype.is_floating_point or group_ids.dtype in (torch.bool, torch.complex64):
+        raise ValueError(f"{name}: expected an integer tensor, got dtype {group_ids.dtype}")
+    if group_ids.ndim != 1:
+        raise ValueError(f"{name}: expected shape [B], got {list(group_ids.shape)}")
+    if batch_size is not None and group_ids.shape[0] != batch_size:
+        raise ValueError(
+            f"{name}: has {group_ids.shape[0]} entries but the batch has {batch_size} samples"
+        )
+
+
+def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    """Raise unless a scalar hyper-parameter is > 0 (or >= 0)."""
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok or value != value:  # NaN fails too
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}: must be {bound}, got {value}")
+
+
+def check_in_range(name: str, value: float, low: float, high: float) -> None:
+    """Raise unless ``low <= value <= high``."""
+    if not (low <= value <= high):
+        raise ValueError(f"{name}: must be in [{low}, {high}], got {value}")
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """Raise unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
+
+
+def check_batch(batch: object, keys: Sequence[str]) -> None:
+    """Check a dict / TensorDict batch: the keys exist and their shapes agree with ``rollkit.keys``.
+
+    ``[B]`` keys must share the batch size and ``[B, T]`` keys must share ``T``; masks must be
+    bool; integer keys must be integers.
+    """
+    from rollkit.keys import SPECS
+
+    sizes: dict[str, tuple[int, str]] = {}
+    for key in keys:
+        try:
+            x = batch[key]  # type: ignore[index]
+        except KeyError:
+            raise ValueError(f"batch: missing key {key!r}") from None
+        check_tensor(key, x)
+        spec = SPECS.get(key)
+        if spec is None:
+            continue
+        if x.ndim != len(spec.shape):
+            want = "[" + ", ".join(spec.shape) + "]"
+            raise ValueError(f"{key}: expected shape {want}, got {list(x.shape)}")
+        for sym, size in zip(spec.shape, x.shape):
+            if sym in sizes and sizes[sym][0] != size:
+                other_size, other_key = sizes[sym]
+                raise ValueError(
+                    f"{key}: dimension {sym}={size} does not match {other_key} ({sym}={other_size})"
+                )
+            sizes.setdefault(sym, (size, key))
+        if spec.dtype == "bool":
+            check_mask(key, x)
+        elif spec.dtype == "float":
+            check_float(key, x)
+        elif x.is_floating_point() or x.dtype == torch.bool:
+            raise ValueError(f"{key}: expected an integer tensor, got dtype {x.dtype}")

