@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False) -> Tensor:
+def masked_sum(
+    x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False
+) -> Tensor:
     """Sum of ``x`` where ``mask`` is True.
 
     Args:
@@ -222,9 +224,7 @@ def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:
     check_mask("mask", mask)
     if values.ndim == 1:
         if values.shape[0] != mask.shape[0]:
-            raise ValueError(
-                f"values: has {values.shape[0]} entries but mask has {mask.shape[0]} rows"
-            )
+            raise ValueError(f"values: has {values.shape[0]} entries but mask has {mask.shape[0]} rows")
         values = values.unsqueeze(-1).expand(mask.shape)
     elif values.shape != mask.shape:
         raise ValueError(f"values: shape {list(values.shape)} is neither [B] nor mask's {list(mask.shape)}")

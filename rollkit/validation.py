@@ -68,9 +68,7 @@ def check_same_shape(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
     """Raise unless ``x`` has the shape of ``ref``."""
     check_tensor(name, x)
     if x.shape != ref.shape:
-        raise ValueError(
-            f"{name}: shape {list(x.shape)} does not match {ref_name} shape {list(ref.shape)}"
-        )
+        raise ValueError(f"{name}: shape {list(x.shape)} does not match {ref_name} shape {list(ref.shape)}")
 
 
 def check_float(name: str, x: Tensor) -> None:
@@ -88,9 +86,7 @@ def check_mask(name: str, mask: Tensor, like: Tensor | None = None, like_name: s
     """
     check_tensor(name, mask)
     if mask.dtype != torch.bool:
-        raise ValueError(
-            f"{name}: expected a torch.bool mask, got dtype {mask.dtype} (convert with .bool())"
-        )
+        raise ValueError(f"{name}: expected a torch.bool mask, got dtype {mask.dtype} (convert with .bool())")
     if like is not None:
         check_same_shape(name, mask, like_name or "input", like)
 
@@ -105,9 +101,7 @@ def check_finite(name: str, x: Tensor) -> None:
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(bad.sum()) - n_nan
         first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        raise ValueError(
-            f"{name}: contains {n_nan} NaN and {n_inf} inf values (first at index {first})"
-        )
+        raise ValueError(f"{name}: contains {n_nan} NaN and {n_inf} inf values (first at index {first})")
 
 
 def check_nonempty(name: str, mask: Tensor) -> None:
@@ -126,9 +120,7 @@ def check_group_ids(name: str, group_ids: Tensor, batch_size: int | None = None)
     if group_ids.ndim != 1:
         raise ValueError(f"{name}: expected shape [B], got {list(group_ids.shape)}")
     if batch_size is not None and group_ids.shape[0] != batch_size:
-        raise ValueError(
-            f"{name}: has {group_ids.shape[0]} entries but the batch has {batch_size} samples"
-        )
+        raise ValueError(f"{name}: has {group_ids.shape[0]} entries but the batch has {batch_size} samples")
 
 
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
