@@ -20,6 +20,7 @@ error.
 from __future__ import annotations
 
 try:
+    from hypothesis import assume
     from hypothesis import strategies as st
 except ImportError as e:  # pragma: no cover - exercised only without the dev extra
     raise ImportError(
@@ -74,7 +75,8 @@ def masks(
         hole[:, 0] = False
         m = m & ~hole
     if int(m.sum()) < min_tokens:
-        m[0, : min(length, max(min_tokens, 1))] = True
+        assume(batch * length >= min_tokens)
+        m.view(-1)[:min_tokens] = True
     return m
 
 

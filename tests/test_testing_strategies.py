@@ -1,0 +1,57 @@
+"""The public strategies generate valid input, including the edge cases they promise."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollkit.keys import SPECS
+from rollkit.testing import batches, group_ids, masks
+from rollkit.validation import check_batch
+
+
+@given(batches())
+def test_batches_are_valid(b):
+    check_batch(b, list(b))
+    m = b["response_mask"]
+    assert set(b) <= set(SPECS)
+    assert torch.all(b["advantages"][~m] == 0)
+    assert torch.all(b["old_logprobs"] <= 0) and torch.all(b["logprobs"] <= 0)
+    assert torch.all((b["old_logprobs"] - b["logprobs"]).abs() <= 2.0 + 1e-5)
+    for k in ("logprobs", "rewards", "values"):
+        assert torch.isfinite(b[k]).all()
+
+
+@settings(max_examples=200)
+@given(st.data())
+def test_masks_cover_edge_cases(data):
+    B = data.draw(st.integers(1, 6))
+    T = data.draw(st.integers(1, 8))
+    m = data.draw(masks(B, T, allow_empty_rows=False))
+    assert m.dtype == torch.bool and m.shape == (B, T)
+    assert m.any(dim=1).all(), "allow_empty_rows=False must keep every row non-empty"
+
+
+def test_strategies_reach_singletons_empty_rows_and_holes():
+    seen = {"singleton": False, "empty_row": False, "hole": False, "unsorted": False}
+
+    @settings(max_examples=300, derandomize=True)
+    @given(st.data())
+    def probe(data):
+        gids = data.draw(group_ids(6))
+        counts = torch.unique(gids, return_counts=True)[1]
+        seen["singleton"] |= bool((counts == 1).any())
+        seen["unsorted"] |= bool((gids[1:] < gids[:-1]).any())
+        m = data.draw(masks(4, 6))
+        seen["empty_row"] |= bool((~m.any(dim=1)).any())
+        # a hole: a False followed later by a True in the same row
+        seen["hole"] |= bool(((~m[:, :-1]) & m[:, 1:]).any())
+
+    probe()
+    assert all(seen.values()), seen
+
+
+@given(st.data())
+def test_min_group_size(data):
+    gids = data.draw(group_ids(9, min_group_size=3))
+    counts = torch.unique(gids, return_counts=True)[1]
+    assert (counts >= 3).all()

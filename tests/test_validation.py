@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+from rollkit.validation import (
+    check_batch,
+    check_choice,
+    check_finite,
+    check_group_ids,
+    check_in_range,
+    check_mask,
+    check_ndim,
+    check_nonempty,
+    check_positive,
+    check_same_shape,
+    check_shape,
+    value_checks,
+)
+
+
+def test_messages_name_the_argument_and_problem():
+    with pytest.raises(ValueError, match=r"^advantages: shape \[2, 3\] does not match logprobs shape \[2, 4\]$"):
+        check_same_shape("advantages", torch.zeros(2, 3), "logprobs", torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"^response_mask: expected a torch.bool mask, got dtype torch.float32"):
+        check_mask("response_mask", torch.ones(2))
+    with pytest.raises(ValueError, match=r"^values: expected shape \[\*, 3\], got \[2, 4\]$"):
+        check_shape("values", torch.zeros(2, 4), (None, 3))
+    with pytest.raises(ValueError, match=r"^x: expected 2 dimensions, got shape \(3,\)$"):
+        check_ndim("x", torch.zeros(3), 2)
+    with pytest.raises(ValueError, match=r"^x: expected a torch.Tensor, got list$"):
+        check_ndim("x", [1.0], 1)
+
+
+def test_check_finite_reports_counts_and_first_index():
+    x = torch.tensor([1.0, float("nan"), float("inf"), 2.0, float("-inf")])
+    with pytest.raises(ValueError, match=r"rewards: contains 1 NaN and 2 inf values \(first at index \(1,\)\)"):
+        check_finite("rewards", x)
+    with value_checks(False):
+        check_finite("rewards", x)  # skipped
+    check_finite("rewards", torch.ones(3))
+    check_finite("ids", torch.tensor([1, 2]))  # integers are always finite
+
+
+def test_value_checks_context_restores_state():
+    from rollkit.validation import value_checks_enabled
+
+    assert value_checks_enabled()
+    with pytest.raises(RuntimeError):
+        with value_checks(False):
+            assert not value_checks_enabled()
+            raise RuntimeError
+    assert value_checks_enabled()
+
+
+def test_nonempty_group_ids_scalars():
+    with pytest.raises(ValueError, match="response_mask: mask selects no elements"):
+        check_nonempty("response_mask", torch.zeros(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="group_ids: has 3 entries but the batch has 2 samples"):
+        check_group_ids("group_ids", torch.tensor([0, 1, 2]), 2)
+    with pytest.raises(ValueError, match="group_ids: expected an integer tensor"):
+        check_group_ids("group_ids", torch.tensor([True]))
+    with pytest.raises(ValueError, match=r"clip_low: must be >= 0, got -0.1"):
+        check_positive("clip_low", -0.1, allow_zero=True)
+    with pytest.raises(ValueError, match=r"eps: must be > 0, got nan"):
+        check_positive("eps", float("nan"))
+    with pytest.raises(ValueError, match=r"gamma: must be in \[0.0, 1.0\], got 1.5"):
+        check_in_range("gamma", 1.5, 0.0, 1.0)
+    with pytest.raises(ValueError, match=r"mode: must be one of \['a', 'b'\], got 'c'"):
+        check_choice("mode", "c", ["a", "b"])
+
+
+def test_check_batch_cross_key_consistency():
+    B, T = 3, 4
+    good = {
+        "response_mask": torch.ones(B, T, dtype=torch.bool),
+        "logprobs": torch.zeros(B, T),
+        "rewards": torch.zeros(B),
+        "group_ids": torch.zeros(B, dtype=torch.long),
+    }
+    check_batch(good, list(good))
+    with pytest.raises(ValueError, match="batch: missing key 'values'"):
+        check_batch(good, ["values"])
+    bad = dict(good, rewards=torch.zeros(B + 1))
+    with pytest.raises(ValueError, match=r"rewards: dimension B=4 does not match response_mask \(B=3\)"):
+        check_batch(bad, list(bad))
+    bad = dict(good, logprobs=torch.zeros(B, T + 1))
+    with pytest.raises(ValueError, match=r"logprobs: dimension T=5 does not match response_mask"):
+        check_batch(bad, list(bad))
+    bad = dict(good, group_ids=torch.zeros(B))
+    with pytest.raises(ValueError, match="group_ids: expected an integer tensor"):
+        check_batch(bad, list(bad))
+    bad = dict(good, response_mask=torch.ones(B, T))
+    with pytest.raises(ValueError, match="response_mask: expected a torch.bool mask"):
+        check_batch(bad, list(bad))
+
+
+def test_checks_never_modify_input():
+    x = torch.tensor([1.0, float("nan")])
+    before = x.clone()
+    with pytest.raises(ValueError):
+        check_finite("x", x)
+    assert torch.equal(x.isnan(), before.isnan()) and x[0] == before[0]
