@@ -30,7 +30,9 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "segment_count",
+    "segment_max",
     "segment_mean",
+    "segment_min",
     "segment_std",
     "segment_sum",
     "segment_var",
@@ -181,6 +183,20 @@ def segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     return out.index_add(0, index, x)
 
 
+def segment_min(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    """Minimum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``+inf``."""
+    out = torch.full((num_segments, *x.shape[1:]), float("inf"), dtype=x.dtype, device=x.device)
+    idx = index.reshape(-1, *([1] * (x.ndim - 1))).expand_as(x)
+    return out.scatter_reduce(0, idx, x, reduce="amin", include_self=True)
+
+
+def segment_max(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    """Maximum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``-inf``."""
+    out = torch.full((num_segments, *x.shape[1:]), float("-inf"), dtype=x.dtype, device=x.device)
+    idx = index.reshape(-1, *([1] * (x.ndim - 1))).expand_as(x)
+    return out.scatter_reduce(0, idx, x, reduce="amax", include_self=True)
+
+
 def segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Number of members of each segment, ``[G]``."""
     ones = torch.ones(index.shape[0], dtype=dtype, device=index.device)
@@ -201,7 +217,7 @@ def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) 
     singleton has no spread to estimate), which is the convention the estimators document.
     """
     mean = segment_mean(x, index, num_segments)
-    dev2 = (x - mean[index]).square()
+    dev2 = (x - mean.index_select(0, index)).square()
     count = segment_count(index, num_segments, x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
     denom = (count - 1) if unbiased else count
     return segment_sum(dev2, index, num_segments) / denom.clamp(min=1)

@@ -60,7 +60,7 @@ def test_var_needs_enough_elements():
 
 
 def test_non_bool_mask_rejected():
-    with pytest.raises(ValueError, match="mask: expected a torch.bool mask"):
+    with pytest.raises(ValueError, match=r"mask: expected a torch\.bool mask"):
         masked_sum(torch.ones(3), torch.ones(3))
     with pytest.raises(ValueError, match="mask: shape"):
         masked_sum(torch.ones(3), torch.ones(2, dtype=torch.bool))
@@ -132,3 +132,14 @@ def test_broadcast_to_tokens():
     assert broadcast_to_tokens(torch.ones(2, 2), m).tolist() == [[1.0, 0.0], [1.0, 1.0]]
     with pytest.raises(ValueError, match="values: has 3 entries"):
         broadcast_to_tokens(torch.ones(3), m)
+
+
+def test_segment_min_max():
+    from rollkit.ops import segment_max, segment_min
+
+    x = torch.tensor([3.0, -1.0, 2.0, 5.0])
+    idx = torch.tensor([0, 0, 2, 0])
+    assert segment_min(x, idx, 3).tolist() == [-1.0, float("inf"), 2.0]
+    assert segment_max(x, idx, 3).tolist() == [5.0, float("-inf"), 2.0]
+    rows = torch.tensor([[1.0, 4.0], [2.0, 0.0]])
+    assert segment_max(rows, torch.tensor([0, 0]), 1).tolist() == [[2.0, 4.0]]

@@ -89,7 +89,7 @@ def test_check_batch_cross_key_consistency():
     with pytest.raises(ValueError, match="group_ids: expected an integer tensor"):
         check_batch(bad, list(bad))
     bad = dict(good, response_mask=torch.ones(B, T))
-    with pytest.raises(ValueError, match="response_mask: expected a torch.bool mask"):
+    with pytest.raises(ValueError, match=r"response_mask: expected a torch\.bool mask"):
         check_batch(bad, list(bad))
 
 
