@@ -1,3 +1,458 @@
-"""Placeholder, filled in by its owner."""
+"""Step-level advantage estimators for multi-turn agents: GiGPO and StarPO.
 
-__all__: list[str] = []
+In multi-turn agentic RL an *episode* (trajectory) is a sequence of steps (turns). Two batch
+layouts are common, and the estimators here take one each:
+
+* **step-wise** (GiGPO): every step is one training sample (its own prompt = the observation
+  history, its own response tokens). A sample is located by ``traj_ids`` (which episode) and
+  ``step_index`` (which turn, ``t = 0, 1, ...``); ``group_ids`` says which task instance the
+  episode was sampled for (episodes of one group start from the same initial state) and
+  ``state_ids`` hashes the environment state the step acted from.
+* **trajectory-wise** (StarPO): one sample per whole episode, one advantage per episode.
+
+Conventions shared by every function of this module:
+
+* Inputs may arrive in any order; ids are arbitrary integers (relabelling them changes
+  nothing); trajectories may have different lengths; groups may have any size.
+* Group normalisation is ``(x - mean) / (std + eps)`` (``norm="std"``) or ``x - mean``
+  (``norm="none"``, i.e. ``F_norm = 1``). ``std`` is Bessel-corrected by default
+  (``unbiased_std=True``, as ``torch.std`` in verl / verl-agent / RAGEN).
+* A group whose values are all (bitwise) equal -- zero variance, and every singleton group --
+  gives an advantage of exactly ``0`` to all its members: there is nothing to compare against.
+  (Values equal only up to rounding give ``O(rounding / eps)`` with ``norm="std"``.)
+* Non-finite rewards raise ``ValueError``; so do duplicate ``(traj_id, step_index)`` pairs,
+  non-integer ids, shape mismatches and a trajectory that claims two task groups.
+* An empty batch (``N = 0``) returns an empty tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rollkit.keys import ADVANTAGES, GROUP_IDS, REWARDS
+from rollkit.ops import group_index, segment_mean, segment_std, segment_sum
+from rollkit.registry import ADVANTAGE_ESTIMATORS
+from rollkit.validation import (
+    check_choice,
+    check_finite,
+    check_float,
+    check_group_ids,
+    check_in_range,
+    check_ndim,
+    check_positive,
+    value_checks_enabled,
+)
+
+__all__ = [
+    "anchor_state_index",
+    "discounted_step_returns",
+    "gigpo_advantages",
+    "starpo_advantages",
+]
+
+# Descriptive (non-standard) batch keys used by the registry entries of this module.
+STEP_REWARDS = "step_rewards"
+TRAJ_IDS = "traj_ids"
+STEP_INDEX = "step_index"
+STATE_IDS = "state_ids"
+EPISODE_RETURNS = "episode_returns"
+
+_NORMS = ("std", "none")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _segment_extrema(x: Tensor, index: Tensor, num_segments: int) -> tuple[Tensor, Tensor]:
+    """Per-segment ``(min, max)`` of a 1-D tensor, ``[G]`` each (empty segments: +inf / -inf)."""
+    lo = torch.full((num_segments,), float("inf"), dtype=x.dtype, device=x.device)
+    hi = torch.full((num_segments,), float("-inf"), dtype=x.dtype, device=x.device)
+    lo = lo.scatter_reduce(0, index, x, reduce="amin", include_self=True)
+    hi = hi.scatter_reduce(0, index, x, reduce="amax", include_self=True)
+    return lo, hi
+
+
+def _constant_within(name: str, values: Tensor, index: Tensor, num_segments: int, what: str) -> None:
+    """Raise unless ``values`` is constant inside every segment of ``index``."""
+    if not value_checks_enabled() or values.numel() == 0:
+        return
+    lo, hi = _segment_extrema(values.to(torch.float64), index, num_segments)
+    bad = lo != hi
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name}: must be constant within each {what}; {int(bad.sum())} {what}(s) hold several values"
+        )
+
+
+def _group_normalize(
+    x: Tensor, index: Tensor, num_groups: int, *, norm: str, eps: float, unbiased: bool
+) -> Tensor:
+    """``(x - mean_g) / (std_g + eps)`` or ``x - mean_g`` per group; exactly 0 in constant groups."""
+    mean = segment_mean(x, index, num_groups)
+    out = x - mean[index]
+    if norm == "std":
+        std = segment_std(x, index, num_groups, unbiased=unbiased)
+        out = out / (std[index] + eps)
+    lo, hi = _segment_extrema(x, index, num_groups)
+    constant = (lo == hi)[index]
+    return torch.where(constant, torch.zeros((), dtype=out.dtype, device=out.device), out)
+
+
+def _check_step_inputs(step_rewards: Tensor, traj_ids: Tensor, step_index: Tensor) -> None:
+    check_ndim("step_rewards", step_rewards, 1)
+    check_float("step_rewards", step_rewards)
+    n = step_rewards.shape[0]
+    check_group_ids("traj_ids", traj_ids, n)
+    check_group_ids("step_index", step_index, n)
+    check_finite("step_rewards", step_rewards)
+    if value_checks_enabled() and n > 0 and bool((step_index < 0).any()):
+        raise ValueError(f"step_index: must be >= 0, got minimum {int(step_index.min())}")
+
+
+def _dense_layout(traj_ids: Tensor, step_index: Tensor) -> tuple[Tensor, int, Tensor, int]:
+    """Trajectory index ``[N]``, number of trajectories, flat cell ``traj * S + step`` ``[N]``, ``S``.
+
+    Raises if two samples claim the same ``(traj_id, step_index)`` cell (a data-reading check,
+    skipped inside ``rollkit.validation.value_checks(False)``).
+    """
+    t_idx, num_traj = group_index(traj_ids)
+    steps = step_index.to(torch.int64)
+    num_steps = int(steps.max()) + 1
+    cell = t_idx * num_steps + steps
+    if not value_checks_enabled():
+        return t_idx, num_traj, cell, num_steps
+    counts = torch.bincount(cell, minlength=num_traj * num_steps)
+    if bool((counts > 1).any()):
+        dup = int((counts > 1).sum())
+        raise ValueError(
+            f"step_index: (traj_id, step_index) pairs must be unique; {dup} pair(s) occur more than once"
+        )
+    return t_idx, num_traj, cell, num_steps
+
+
+def _discount_matrix(num_steps: int, gamma: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Discount matrix ``D[k, t] = gamma^(k - t)`` for ``k >= t``, else 0; ``[S, S]``."""
+    k = torch.arange(num_steps, device=device)
+    lag = k[:, None] - k[None, :]
+    powers = torch.pow(torch.tensor(gamma, dtype=dtype, device=device), lag.clamp(min=0).to(dtype))
+    return torch.where(lag >= 0, powers, torch.zeros((), dtype=dtype, device=device))
+
+
+def _returns_from_layout(
+    step_rewards: Tensor, cell: Tensor, num_traj: int, num_steps: int, gamma: float
+) -> Tensor:
+    """Scatter into ``[num_traj, S]``, multiply by the discount matrix, gather back to ``[N]``."""
+    dense = torch.zeros(num_traj * num_steps, dtype=step_rewards.dtype, device=step_rewards.device)
+    dense = dense.index_put((cell,), step_rewards).view(num_traj, num_steps)
+    discount = _discount_matrix(num_steps, gamma, step_rewards.dtype, step_rewards.device)
+    returns = dense @ discount  # returns[:, t] = sum_k dense[:, k] * gamma^(k - t) [k >= t]
+    return returns.reshape(-1)[cell]
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def anchor_state_index(group_ids: Tensor, state_ids: Tensor) -> tuple[Tensor, int]:
+    """Dense index of GiGPO's anchor-state groups: samples sharing ``group_id`` AND ``state_id``.
+
+        anchor(i) = anchor(j)  <=>  group_ids[i] == group_ids[j] and state_ids[i] == state_ids[j]
+
+    GiGPO (Feng et al., 2025, arXiv:2505.10978) builds its step-level groups retroactively from
+    the environment states that several trajectories of the same task instance revisit. States
+    are only compared inside a task group: the same observation in two different tasks is two
+    different anchors. Unlike verl-agent's ``build_step_group`` (which clusters raw observations
+    in Python), the states come here already hashed to integers, so grouping is one
+    ``torch.unique``.
+
+    Args:
+        group_ids: ``[N]`` int, task-instance group of each step's trajectory.
+        state_ids: ``[N]`` int, hash of the environment state (observation) the step acted from.
+
+    Returns:
+        ``(index, A)``: ``index`` ``[N]`` int64 in ``[0, A)``, numbered by sorted
+        ``(group_id, state_id)``; ``A`` the number of anchor groups. Useful to log group sizes
+        (``torch.bincount(index)``).
+
+    >>> anchor_state_index(torch.tensor([0, 0, 1, 0]), torch.tensor([5, 9, 5, 5]))
+    (tensor([0, 1, 2, 0]), 3)
+    """
+    check_group_ids("group_ids", group_ids)
+    check_group_ids("state_ids", state_ids, group_ids.shape[0])
+    if group_ids.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.int64, device=group_ids.device), 0
+    # rank both ids (order preserving), then one 1-D unique over the combined key: the same
+    # numbering as a lexicographic unique over (group, state) pairs, without torch.unique(dim=0)
+    g_idx, _ = group_index(group_ids)
+    s_idx, num_states = group_index(state_ids)
+    return group_index(g_idx * num_states + s_idx)
+
+
+def discounted_step_returns(
+    step_rewards: Tensor,  # [N] float, immediate reward r_t of each step
+    traj_ids: Tensor,  # [N] int, episode each step belongs to
+    step_index: Tensor,  # [N] int >= 0, time step t of each step inside its episode
+    *,
+    gamma: float = 1.0,
+) -> Tensor:  # [N] discounted return-to-go R_t of each step
+    """Discounted return-to-go of every step of every trajectory (GiGPO, Eq. 5).
+
+        R_t = sum_{k >= t} gamma^(k - t) r_k        (k, t: step indices of the same trajectory)
+
+    The per-step return that GiGPO (Feng et al., 2025, arXiv:2505.10978) compares inside an
+    anchor-state group; with ``gamma = 1`` it is the undiscounted reward-to-go, with
+    ``gamma = 0`` the immediate reward. Unlike token-level discounted returns (over the ``T``
+    tokens of one sample), this discounts over *samples*: each step is its own row of the batch.
+
+    Steps may arrive in any order and trajectories may have different lengths. The steps are
+    scattered into a dense ``[num_traj, S]`` table (``S = max(step_index) + 1``), multiplied by
+    the triangular ``[S, S]`` discount matrix ``D[k, t] = gamma^(k - t) [k >= t]`` and gathered back: memory
+    ``O(num_traj * S + S^2)``, meant for agent horizons (tens to hundreds of turns).
+    ``step_index`` is a time index: a gap (step 1 missing between 0 and 2) counts as a step
+    with zero reward, so ``R_0 = r_0 + gamma^2 r_2``.
+
+    Args:
+        step_rewards: ``[N]`` float, finite.
+        traj_ids: ``[N]`` int, any values.
+        step_index: ``[N]`` int, ``>= 0``; ``(traj_id, step_index)`` pairs must be unique.
+        gamma: discount in ``[0, 1]``.
+
+    Returns:
+        ``[N]`` returns, in the order of the input, dtype of ``step_rewards``.
+
+    >>> r = torch.tensor([0.0, 1.0, 3.0, 4.0])
+    >>> traj = torch.tensor([7, 7, 3, 7])
+    >>> step = torch.tensor([1, 0, 0, 2])    # trajectory 7 = steps (0: 1.0, 1: 0.0, 2: 4.0)
+    >>> discounted_step_returns(r, traj, step, gamma=0.5)   # R_1 = 0 + .5*4, R_0 = 1 + .5*R_1
+    tensor([2., 2., 3., 4.])
+    """
+    _check_step_inputs(step_rewards, traj_ids, step_index)
+    check_in_range("gamma", gamma, 0.0, 1.0)
+    n = step_rewards.shape[0]
+    if n == 0:
+        return step_rewards.clone()
+    _, num_traj, cell, num_steps = _dense_layout(traj_ids, step_index)
+    return _returns_from_layout(step_rewards, cell, num_traj, num_steps, gamma)
+
+
+def gigpo_advantages(
+    step_rewards: Tensor,  # [N] float, immediate reward of each step
+    traj_ids: Tensor,  # [N] int, episode of each step
+    step_index: Tensor,  # [N] int >= 0, turn index inside the episode
+    group_ids: Tensor,  # [N] int, task-instance group of the episode (constant per episode)
+    state_ids: Tensor,  # [N] int, hash of the environment state the step acted from
+    episode_returns: Tensor | None = None,  # [N] float, optional episode score per step
+    *,
+    gamma: float = 0.95,
+    step_weight: float = 1.0,
+    norm: str = "none",
+    eps: float = 1e-6,
+    unbiased_std: bool = True,
+    episode_stats: str = "trajectory",
+) -> Tensor:  # [N] advantage of each step (broadcast it over the step's response tokens)
+    """GiGPO (Group-in-Group Policy Optimization; Feng, Xue, Liu, An, 2025, arXiv:2505.10978).
+
+        A(step i of episode tau)  =  A_E(tau)  +  step_weight * A_S(i)
+
+        A_E(tau) = (R(tau) - mean_{tau' in G(tau)} R(tau')) / F_norm      R(tau) = sum_t r_t(tau)
+        A_S(i)   = (R_t(i) - mean_{j in anchor(i)} R_t(j)) / F_norm        R_t = discounted_step_returns
+        F_norm   = std + eps  (norm="std")   or   1  (norm="none")
+
+    ``G(tau)`` is the task group of the episode (``group_ids``: episodes rolled out from the same
+    initial state). ``anchor(i)`` is the *anchor-state group* of step ``i``: all steps, across
+    the episodes of the same task group, that acted from the same environment state
+    (same ``group_id`` and ``state_id``, see :func:`anchor_state_index`). What distinguishes
+    GiGPO from GRPO/StarPO (one advantage per episode) is the second, step-level term: it ranks
+    the *actions* taken from one repeated state by their discounted return-to-go, which gives
+    per-step credit without a critic and without extra rollouts.
+
+    Args:
+        step_rewards: ``[N]`` float, finite: ``r_t``.
+        traj_ids: ``[N]`` int, any values; one id per episode.
+        step_index: ``[N]`` int ``>= 0``; ``(traj_id, step_index)`` unique (gaps: zero reward).
+        group_ids: ``[N]`` int; must be constant over the steps of an episode.
+        state_ids: ``[N]`` int; equal ids mean "the same state" (hash the observation text).
+        episode_returns: optional ``[N]`` float, constant over the steps of an episode: the
+            episode score ``R(tau)`` used by ``A_E`` when it is not the plain sum of the step
+            rewards (e.g. an outcome verifier, or a format penalty). ``None`` (default):
+            ``R(tau) = sum_t r_t`` (undiscounted, as in the paper).
+        gamma: discount of the step returns ``R_t``, in ``[0, 1]`` (verl-agent default 0.95).
+        step_weight: ``omega >= 0``, weight of ``A_S`` (paper: 1). ``0`` gives GRPO over episodes.
+        norm: ``"none"`` (``F_norm = 1``, mean-centred; verl-agent's default ``mean_norm``) or
+            ``"std"`` (``mean_std_norm``). The same choice applies to both levels.
+        eps: added to the std (``norm="std"`` only).
+        unbiased_std: Bessel-corrected std (``n - 1``), as ``torch.std``.
+        episode_stats: ``"trajectory"`` (paper, Eq. 3): ``A_E``'s mean / std are over the
+            episodes of the group, each counted once. ``"step"``: over the *steps* of the
+            group, each episode weighted by its number of steps (verl-agent's default,
+            ``compute_mean_std_cross_steps=True``).
+
+    Edge cases (one behaviour each):
+        * singleton task group (one episode) or all episodes with the same return: ``A_E = 0``
+          (verl-agent uses mean 0 / std 1 for a singleton, i.e. ``A_E = R``).
+        * singleton anchor group (a state visited once) or equal returns in it: ``A_S = 0``.
+        * ``step_weight = 0``: episode term only; ``gamma = 0``: ``A_S`` compares immediate
+          rewards.
+        * ``N = 0``: empty output.
+
+    Returns:
+        ``[N]`` advantages in input order; broadcast them over the response tokens of each step
+        with :func:`rollkit.ops.broadcast_to_tokens`.
+
+    >>> # one task group, two episodes that both start from state 11 (an anchor of size 2):
+    >>> # episode 0: rewards (0, 1) -> R = 1;  episode 1: rewards (0, 0) -> R = 0
+    >>> r = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    >>> traj, step = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1])
+    >>> group, state = torch.tensor([4, 4, 4, 4]), torch.tensor([11, 12, 11, 13])
+    >>> adv = gigpo_advantages(r, traj, step, group, state, gamma=0.5)
+    >>> # A_E = +-0.5; at state 11: R_0 = 0.5 vs 0.0 -> A_S = +-0.25; states 12, 13: singletons
+    >>> torch.allclose(adv, torch.tensor([0.75, 0.5, -0.75, -0.5]))
+    True
+    """
+    _check_step_inputs(step_rewards, traj_ids, step_index)
+    n = step_rewards.shape[0]
+    check_group_ids("group_ids", group_ids, n)
+    check_group_ids("state_ids", state_ids, n)
+    check_in_range("gamma", gamma, 0.0, 1.0)
+    check_positive("step_weight", step_weight, allow_zero=True)
+    check_choice("norm", norm, _NORMS)
+    check_positive("eps", eps, allow_zero=True)
+    check_choice("episode_stats", episode_stats, ("trajectory", "step"))
+    if episode_returns is not None:
+        check_ndim("episode_returns", episode_returns, 1)
+        check_float("episode_returns", episode_returns)
+        if episode_returns.shape[0] != n:
+            raise ValueError(
+                f"episode_returns: has {episode_returns.shape[0]} entries but the batch has {n} steps"
+            )
+        check_finite("episode_returns", episode_returns)
+    if n == 0:
+        return step_rewards.clone()
+
+    t_idx, num_traj, cell, num_steps = _dense_layout(traj_ids, step_index)
+    g_idx, num_groups = group_index(group_ids)
+    _constant_within("group_ids", g_idx, t_idx, num_traj, "trajectory")
+
+    # ---- episode level: R(tau) per trajectory, normalised within the task group
+    if episode_returns is None:
+        traj_return = segment_sum(step_rewards, t_idx, num_traj)
+    else:
+        _constant_within("episode_returns", episode_returns, t_idx, num_traj, "trajectory")
+        # one representative per trajectory (all equal after the check); amax keeps it exact
+        traj_return = torch.full(
+            (num_traj,), float("-inf"), dtype=step_rewards.dtype, device=step_rewards.device
+        )
+        traj_return = traj_return.scatter_reduce(
+            0, t_idx, episode_returns.to(step_rewards.dtype), reduce="amax"
+        )
+    if episode_stats == "trajectory":
+        traj_group = torch.zeros(num_traj, dtype=torch.int64, device=g_idx.device).scatter(0, t_idx, g_idx)
+        a_traj = _group_normalize(
+            traj_return, traj_group, num_groups, norm=norm, eps=eps, unbiased=unbiased_std
+        )
+        a_episode = a_traj[t_idx]
+    else:
+        a_episode = _group_normalize(
+            traj_return[t_idx], g_idx, num_groups, norm=norm, eps=eps, unbiased=unbiased_std
+        )
+
+    if step_weight == 0:
+        return a_episode
+
+    # ---- step level: discounted return-to-go, normalised within the anchor-state group
+    returns = _returns_from_layout(step_rewards, cell, num_traj, num_steps, gamma)
+    a_idx, num_anchors = anchor_state_index(group_ids, state_ids)
+    a_step = _group_normalize(returns, a_idx, num_anchors, norm=norm, eps=eps, unbiased=unbiased_std)
+    return a_episode + step_weight * a_step
+
+
+def starpo_advantages(
+    traj_returns: Tensor,  # [B] float, total reward of each trajectory (one sample per trajectory)
+    group_ids: Tensor,  # [B] int, task instance (initial state) each trajectory was rolled out from
+    *,
+    norm: str = "std",
+    eps: float = 1e-6,
+    unbiased_std: bool = True,
+    min_std: float = 0.0,
+    clip: tuple[float, float] | None = None,
+) -> Tensor:  # [B] one advantage per trajectory
+    """StarPO trajectory-level advantage (RAGEN; Wang, Z. et al., 2025, arXiv:2504.20073).
+
+        A(tau) = clip((R(tau) - mean_{tau' in G(tau)} R(tau')) / F_norm, lo, hi)
+        F_norm = std + eps  (norm="std")   or   1  (norm="none")
+
+    StarPO (State-Thinking-Actions-Reward Policy Optimization) optimises whole multi-turn
+    trajectories: the sample is the full interleaved episode (states, reasoning, actions,
+    environment feedback), its reward the episode total ``R(tau) = sum_t r_t``, and its
+    advantage is group-relative over the trajectories rolled out from the same task instance
+    (RAGEN's ``grouping="state"``; pass one constant id for ``"batch"``). Unlike GiGPO there is no
+    step-level term: every response token of the episode gets the same advantage (broadcast it
+    with :func:`rollkit.ops.broadcast_to_tokens` over the trajectory's response mask, which is
+    False on environment tokens). StarPO-S's variance-based trajectory filtering (keep the task
+    groups with the highest reward std) is a sample filter, not part of this estimator: see
+    :mod:`rollkit.filters`.
+
+    Args:
+        traj_returns: ``[B]`` float, finite.
+        group_ids: ``[B]`` int, any values and group sizes.
+        norm: ``"std"`` (RAGEN's ``mean_std``, default) or ``"none"`` (RAGEN's ``mean``).
+        eps: added to the std (``norm="std"`` only). RAGEN uses ``1e-6``.
+        unbiased_std: Bessel-corrected std (``torch.std``, RAGEN's choice).
+        min_std: ``norm="std"`` only: groups whose std is ``<= min_std`` get advantage 0 (RAGEN
+            zeroes groups with ``std <= 1e-6`` for bf16 stability; default ``0``: only exactly
+            constant groups).
+        clip: optional ``(lo, hi)`` clamp of the result (RAGEN's ``asym_clip`` is ``(-1, 3)``).
+
+    Edge cases: singleton groups and constant groups give exactly ``0``; ``B = 0`` gives an
+    empty tensor; non-finite returns raise ``ValueError``.
+
+    >>> R = torch.tensor([1.0, 0.0, 5.0, 1.0, 5.0])
+    >>> g = torch.tensor([0, 0, 9, 0, 9])      # group 0: (1, 0, 1), group 9: (5, 5)
+    >>> adv = starpo_advantages(R, g, norm="none")
+    >>> torch.allclose(adv, torch.tensor([1 / 3, -2 / 3, 0.0, 1 / 3, 0.0]))
+    True
+    """
+    check_ndim("traj_returns", traj_returns, 1)
+    check_float("traj_returns", traj_returns)
+    check_group_ids("group_ids", group_ids, traj_returns.shape[0])
+    check_choice("norm", norm, _NORMS)
+    check_positive("eps", eps, allow_zero=True)
+    check_positive("min_std", min_std, allow_zero=True)
+    if clip is not None:
+        if len(clip) != 2 or not clip[0] <= clip[1]:
+            raise ValueError(f"clip: expected (lo, hi) with lo <= hi, got {clip}")
+    check_finite("traj_returns", traj_returns)
+    if traj_returns.shape[0] == 0:
+        return traj_returns.clone()
+    g_idx, num_groups = group_index(group_ids)
+    adv = _group_normalize(traj_returns, g_idx, num_groups, norm=norm, eps=eps, unbiased=unbiased_std)
+    if norm == "std" and min_std > 0:
+        std = segment_std(traj_returns, g_idx, num_groups, unbiased=unbiased_std)
+        adv = torch.where((std <= min_std)[g_idx], torch.zeros((), dtype=adv.dtype, device=adv.device), adv)
+    if clip is not None:
+        adv = adv.clamp(min=clip[0], max=clip[1])
+    return adv
+
+
+# --------------------------------------------------------------------------- registry
+
+ADVANTAGE_ESTIMATORS.register(
+    "gigpo",
+    gigpo_advantages,
+    aliases=["group-in-group"],
+    in_keys={
+        "step_rewards": STEP_REWARDS,
+        "traj_ids": TRAJ_IDS,
+        "step_index": STEP_INDEX,
+        "group_ids": GROUP_IDS,
+        "state_ids": STATE_IDS,
+        "episode_returns": EPISODE_RETURNS,  # optional: absent from the batch -> summed rewards
+    },
+    out_keys=(ADVANTAGES,),
+)
+ADVANTAGE_ESTIMATORS.register(
+    "starpo",
+    starpo_advantages,
+    in_keys={"traj_returns": REWARDS, "group_ids": GROUP_IDS},
+    out_keys=(ADVANTAGES,),
+)
