@@ -1,3 +1,304 @@
-"""Placeholder, filled in by its owner."""
+"""Loss aggregation: turn a ``[B, T]`` per-token loss into the scalar to back-propagate.
 
-__all__: list[str] = []
+Every rollkit loss returns a per-token matrix; :func:`aggregate` reduces it with one of five
+modes, and takes optional *global* normalisers so that gradient accumulation over
+micro-batches and data-parallel sharding give exactly the gradient of the full batch.
+
+The classic bug (in many trainers) is to take a ``token-mean`` per micro-batch and average
+those means: micro-batches with few valid tokens then weigh as much as long ones, and the
+result depends on how the batch was split. Here, pass the counts of the whole batch::
+
+    norms = global_normalizers(mask_of_the_whole_local_batch)          # all-reduced over ranks
+    for mb in micro_batches:                                           # split along B
+        out = some_loss(...)
+        aggregate(out.loss, mb.mask, "token-mean", **norms).backward()  # sums to the full gradient
+
+Definitions, for per-sample weights ``w_b`` (``1`` when ``weights`` is None), row token
+counts ``n_b = sum_t m_bt`` and row sums ``s_b = sum_t m_bt * l_bt``:
+
+===========================  ============================================================
+mode                         result
+===========================  ============================================================
+``token-mean``               ``sum_b w_b s_b / num_tokens``, ``num_tokens = sum_b w_b n_b``
+``token-sum``                ``sum_b w_b s_b`` (no normaliser)
+``seq-mean-token-sum``       ``sum_b w_b s_b / num_seqs``
+``seq-mean-token-mean``      ``sum_b w_b (s_b / n_b) / num_seqs``
+``seq-mean-token-sum-norm``  ``sum_b w_b s_b / (num_seqs * norm_length)`` (Dr.GRPO)
+===========================  ============================================================
+
+``num_seqs = sum_{b: n_b > 0} w_b`` counts only the rows with at least one valid token (a
+fully masked row is not a sequence of this loss: it contributes neither to the numerator nor
+to the normaliser). This holds locally and in :func:`global_normalizers` alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollkit.keys import LOSS, RESPONSE_MASK
+from rollkit.registry import AGGREGATIONS
+from rollkit.validation import (
+    check_choice,
+    check_finite,
+    check_float,
+    check_mask,
+    check_ndim,
+    check_positive,
+    check_shape,
+    value_checks_enabled,
+)
+
+__all__ = ["AGGREGATION_MODES", "aggregate", "global_normalizers"]
+
+AGGREGATION_MODES: tuple[str, ...] = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_weights(weights: Tensor, batch: int) -> None:
+    check_float("weights", weights)
+    check_shape("weights", weights, [batch])
+    check_finite("weights", weights)
+    if value_checks_enabled() and bool((weights < 0).any()):
+        raise ValueError(f"weights: must be >= 0, got a minimum of {float(weights.min())}")
+
+
+def _normalizer(name: str, value: float | Tensor, like: Tensor) -> Tensor:
+    """A global normaliser as a 0-dim tensor of ``like``'s dtype/device, validated."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name}: expected a scalar (0-dim or 1-element tensor), got shape {list(value.shape)}"
+            )
+        t = value.detach().reshape(()).to(dtype=like.dtype, device=like.device)
+        if value_checks_enabled():
+            v = float(t)
+            if not (v >= 0 and v != float("inf")):
+                raise ValueError(f"{name}: must be finite and >= 0, got {v}")
+        return t
+    v = float(value)
+    if not (v >= 0 and v != float("inf")):
+        raise ValueError(f"{name}: must be finite and >= 0, got {value}")
+    return torch.tensor(v, dtype=like.dtype, device=like.device)
+
+
+def _safe_div(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den``, and exactly 0 (with a zero gradient) where ``den == 0``."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def aggregate(
+    loss: Tensor,  # [B, T] per-token loss
+    mask: Tensor,  # [B, T] bool
+    mode: str = "token-mean",
+    *,
+    weights: Tensor | None = None,  # [B] per-sample weights >= 0
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    norm_length: int | None = None,
+    dp_size: int = 1,
+) -> Tensor:  # [] scalar
+    """Reduce a ``[B, T]`` per-token loss to a scalar, locally or with global normalisers.
+
+    With ``w_b`` the sample weights (1 if ``weights`` is None), ``n_b = sum_t m_bt`` and
+    ``s_b = sum_t m_bt l_bt``::
+
+        token-mean               sum_b w_b s_b / num_tokens                  num_tokens = sum_b w_b n_b
+        token-sum                sum_b w_b s_b
+        seq-mean-token-sum       sum_b w_b s_b / num_seqs                    num_seqs = sum_{b: n_b>0} w_b
+        seq-mean-token-mean      sum_b w_b (s_b / n_b) / num_seqs
+        seq-mean-token-sum-norm  sum_b w_b s_b / (num_seqs * norm_length)     (Dr.GRPO)
+
+    and the result is multiplied by ``dp_size``.
+
+    ``token-mean`` is the DAPO choice (Yu et al., 2025, arXiv:2503.14476: every token counts
+    the same, long answers are not down-weighted); ``seq-mean-token-mean`` is the original
+    GRPO (Shao et al., 2024, arXiv:2402.03300), which gives each sequence equal weight and so
+    a length bias; ``seq-mean-token-sum-norm`` is Dr.GRPO (Liu et al., 2025,
+    arXiv:2503.20783), which divides by a *constant* (``norm_length``, e.g. the maximum
+    response length) instead of each sequence's length.
+
+    **Weights** are sample weights in the sense of a weighted average: ``w_b`` scales both
+    sample ``b``'s contribution and its share of the normaliser, so scaling every weight by
+    the same constant changes nothing (``token-sum`` excepted). To multiply a loss by
+    un-normalised weights (importance weights, say), multiply ``loss`` itself.
+
+    **Global normalisers.** Without them, the normalisers are those of this (micro-)batch.
+    With ``num_tokens`` / ``num_seqs`` of the *whole* batch (summed over micro-batches and
+    data-parallel ranks, weighted as above; :func:`global_normalizers` computes them), the
+    sum over micro-batches (split along ``B``) of their aggregates is exactly the aggregate
+    of the full batch, and so are the gradients. Normalisers a mode does not use are ignored,
+    so a single ``**global_normalizers(...)`` dict works for every mode. ``dp_size`` undoes the
+    averaging of gradients over ranks that DDP / FSDP / DeepSpeed do (pass the world size;
+    ``global_normalizers`` returns it); keep it 1 when gradients are summed.
+
+    ``norm_length`` defaults to ``T`` (``loss.shape[-1]``, verl's default); pass a constant
+    (the maximum response length) for Dr.GRPO and whenever micro-batches are padded to
+    different lengths, or the split is not exact.
+
+    Edge cases: an empty normaliser (fully masked batch, or all weights zero) gives exactly
+    ``0`` with a zero gradient, never NaN; values of ``loss`` under ``mask == False`` (even
+    NaN or inf) never reach the result or the gradient. Low-precision (fp16/bf16) losses are
+    accumulated and returned in float32.
+
+    Args:
+        loss: ``[B, T]`` float per-token loss.
+        mask: ``[B, T]`` bool, True for tokens that count.
+        mode: one of :data:`AGGREGATION_MODES`.
+        weights: optional ``[B]`` float per-sample weights, finite and ``>= 0``.
+        num_tokens: global (weighted) valid-token count, for ``token-mean``.
+        num_seqs: global (weighted) count of non-empty sequences, for the ``seq-mean-*`` modes.
+        norm_length: constant length normaliser of ``seq-mean-token-sum-norm`` (``> 0``).
+        dp_size: multiplier that cancels a mean-reduction of gradients over ``dp_size`` ranks.
+
+    Returns:
+        A 0-dim tensor.
+
+    >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+    >>> aggregate(loss, mask, "token-mean")          # (1 + 2 + 3 + 4) / 4
+    tensor(2.5000)
+    >>> aggregate(loss, mask, "seq-mean-token-mean")  # (2 + 4) / 2
+    tensor(3.)
+    >>> aggregate(loss, mask, "seq-mean-token-sum-norm", norm_length=5)  # (6 + 4) / (2 * 5)
+    tensor(1.)
+    >>> # micro-batches + global normalisers = the full-batch value (and gradient)
+    >>> n = global_normalizers(mask)
+    >>> parts = [aggregate(loss[i : i + 1], mask[i : i + 1], "token-mean", **n) for i in range(2)]
+    >>> torch.allclose(sum(parts), aggregate(loss, mask, "token-mean"))
+    True
+    """
+    check_choice("mode", mode, AGGREGATION_MODES)
+    check_float("loss", loss)
+    check_ndim("loss", loss, 2)
+    check_mask("mask", mask, loss, "loss")
+    if int(dp_size) != dp_size or dp_size < 1:
+        raise ValueError(f"dp_size: must be an integer >= 1, got {dp_size}")
+    if norm_length is not None:
+        if int(norm_length) != norm_length:
+            raise ValueError(f"norm_length: must be an integer, got {norm_length}")
+        check_positive("norm_length", norm_length)
+
+    x = loss.float() if loss.dtype in _LOW_PRECISION else loss
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    x = torch.where(mask, x, zero)
+    row_sum = x.sum(dim=-1)  # [B]
+    row_count = mask.sum(dim=-1).to(x.dtype)  # [B]
+    if weights is not None:
+        _check_weights(weights, loss.shape[0])
+        w = weights.to(x.dtype)
+    else:
+        w = torch.ones_like(row_count)
+
+    if mode == "token-sum":
+        out = (w * row_sum).sum()
+    elif mode == "token-mean":
+        den = (w * row_count).sum() if num_tokens is None else _normalizer("num_tokens", num_tokens, x)
+        out = _safe_div((w * row_sum).sum(), den)
+    else:
+        nonempty = row_count > 0
+        if num_seqs is None:
+            den = torch.where(nonempty, w, zero).sum()
+        else:
+            den = _normalizer("num_seqs", num_seqs, x)
+        if mode == "seq-mean-token-mean":
+            per_seq = _safe_div(row_sum, row_count)
+        else:
+            per_seq = row_sum
+        if mode == "seq-mean-token-sum-norm":
+            den = den * float(loss.shape[-1] if norm_length is None else norm_length)
+        out = _safe_div((w * per_seq).sum(), den)
+    return out * dp_size if dp_size != 1 else out
+
+
+def global_normalizers(
+    mask: Tensor,  # [B, T] bool: the whole local batch (all micro-batches of this rank)
+    weights: Tensor | None = None,  # [B]
+    *,
+    group: Any = None,
+) -> dict[str, Any]:
+    """The global normalisers of :func:`aggregate`, summed over data-parallel ranks.
+
+        num_tokens = sum over ranks of sum_b w_b n_b
+        num_seqs   = sum over ranks of sum_{b: n_b > 0} w_b
+        dp_size    = world size of ``group`` (1 without torch.distributed)
+
+    Call it once per optimisation step on the mask (and weights) of the whole local batch,
+    *before* splitting it into micro-batches, then pass the result to every micro-batch's
+    ``aggregate(..., **norms)``. When :mod:`torch.distributed` is initialised the counts are
+    all-reduced (SUM) over ``group`` (default: the world), which is a collective: every rank
+    must call it. Counts are float64 (exact up to 2**53 tokens). ``dp_size`` is there to
+    cancel the gradient *averaging* of DDP / FSDP / DeepSpeed; if your trainer sums gradients
+    over ranks, drop it (``norms.pop("dp_size")``) or set it to 1.
+
+    Returns:
+        ``{"num_tokens": Tensor[], "num_seqs": Tensor[], "dp_size": int}``.
+
+    >>> m = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])
+    >>> n = global_normalizers(m)
+    >>> (float(n["num_tokens"]), float(n["num_seqs"]), n["dp_size"])
+    (3.0, 2.0, 1)
+    """
+    check_ndim("mask", mask, 2)
+    check_mask("mask", mask)
+    count = mask.sum(dim=-1).to(torch.float64)
+    if weights is not None:
+        _check_weights(weights, mask.shape[0])
+        w = weights.detach().to(torch.float64)
+    else:
+        w = torch.ones_like(count)
+    counts = torch.stack([(w * count).sum(), torch.where(count > 0, w, torch.zeros_like(w)).sum()])
+    dp_size = 1
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        dp_size = dist.get_world_size(group)
+    return {"num_tokens": counts[0], "num_seqs": counts[1], "dp_size": dp_size}
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def _bind(mode: str):
+    def fn(
+        loss: Tensor,
+        mask: Tensor,
+        *,
+        weights: Tensor | None = None,
+        num_tokens: float | Tensor | None = None,
+        num_seqs: float | Tensor | None = None,
+        norm_length: int | None = None,
+        dp_size: int = 1,
+    ) -> Tensor:
+        return aggregate(
+            loss,
+            mask,
+            mode,
+            weights=weights,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_length=norm_length,
+            dp_size=dp_size,
+        )
+
+    fn.__name__ = fn.__qualname__ = "aggregate_" + mode.replace("-", "_")
+    fn.__doc__ = (
+        f"``aggregate(loss, mask, {mode!r}, **kwargs)``: [B, T] loss -> scalar "
+        "(see :func:`rollkit.losses.aggregate`)."
+    )
+    return fn
+
+
+for _mode in AGGREGATION_MODES:
+    AGGREGATIONS.register(_mode, _bind(_mode), in_keys={"loss": LOSS, "mask": RESPONSE_MASK}, out_keys=[LOSS])
+del _mode
