@@ -46,6 +46,21 @@ LOGITS = "logits"
 RESPONSE_LENGTH = "response_length"
 STEP_IDS = "step_ids"
 LOSS = "loss"
+LOSS_OBJECTIVE = "loss_objective"
+# Keys used by particular primitives.
+KL = "kl"
+GREEDY_REWARDS = "greedy_rewards"
+SAMPLE_WEIGHTS = "sample_weights"
+TRUNCATED = "truncated"
+ACCURACY = "accuracy"
+KEEP = "keep"
+OVERLONG_PENALTY = "overlong_penalty"
+# Step-level (agentic) keys: one sample per agent step.
+STEP_REWARDS = "step_rewards"
+TRAJ_IDS = "traj_ids"
+STEP_INDEX = "step_index"
+STATE_IDS = "state_ids"
+EPISODE_RETURNS = "episode_returns"
 
 
 @dataclass(frozen=True)
@@ -76,17 +91,42 @@ SPECS: dict[str, KeySpec] = {
         KeySpec(POLICY_VERSION, ("B",), "int", "weights version that started the sample"),
         KeySpec(RESPONSE_LENGTH, ("B",), "int", "number of generated tokens"),
         KeySpec(STEP_IDS, ("B", "T"), "int", "turn index of each token (multi-turn)"),
+        KeySpec(KL, ("B", "T"), "float", "per-token KL estimate to the reference"),
+        KeySpec(GREEDY_REWARDS, ("B",), "float", "reward of the greedy response (ReMax)"),
+        KeySpec(SAMPLE_WEIGHTS, ("B",), "float", "per-sample loss weight"),
+        KeySpec(TRUNCATED, ("B",), "bool", "the response hit the length cap"),
+        KeySpec(ACCURACY, ("B",), "float", "0/1 (or [0, 1]) correctness"),
+        KeySpec(KEEP, ("B",), "bool", "keep-mask written by a filter"),
+        KeySpec(OVERLONG_PENALTY, ("B",), "float", "DAPO soft overlong punishment"),
+        KeySpec(STEP_REWARDS, ("B",), "float", "reward of an agent step"),
+        KeySpec(TRAJ_IDS, ("B",), "int", "trajectory (episode) of an agent step"),
+        KeySpec(STEP_INDEX, ("B",), "int", "turn index of an agent step in its trajectory"),
+        KeySpec(STATE_IDS, ("B",), "int", "hash of the environment state at an agent step"),
+        KeySpec(EPISODE_RETURNS, ("B",), "float", "return of the step's trajectory"),
     )
 }
 
 __all__ = [
+    "ACCURACY",
     "ADVANTAGES",
     "BEHAVIOR_LOGPROBS",
+    "EPISODE_RETURNS",
+    "GREEDY_REWARDS",
     "GROUP_IDS",
+    "KEEP",
+    "KL",
     "KeySpec",
     "LOGITS",
     "LOGPROBS",
     "LOSS",
+    "LOSS_OBJECTIVE",
+    "OVERLONG_PENALTY",
+    "SAMPLE_WEIGHTS",
+    "STATE_IDS",
+    "STEP_INDEX",
+    "STEP_REWARDS",
+    "TRAJ_IDS",
+    "TRUNCATED",
     "OLD_LOGPROBS",
     "OLD_VALUES",
     "POLICY_VERSION",
