@@ -18,17 +18,19 @@ import torch
 from torch import Tensor
 
 from rollkit import keys
-from rollkit.ops import group_index, segment_mean, segment_sum
+from rollkit.ops import group_index, segment_max, segment_mean, segment_min, segment_sum
 from rollkit.registry import FILTERS
-from rollkit.rewards import _check_int, _check_int_tensor, _check_scalar, _segment_range
 from rollkit.validation import (
     check_choice,
     check_finite,
-    check_float,
+    check_finite_float,
     check_group_ids,
+    check_int,
+    check_int_tensor,
     check_mask,
     check_ndim,
     check_positive,
+    check_scalar,
     value_checks_enabled,
 )
 
@@ -41,15 +43,12 @@ __all__ = [
     "zero_variance_filter",
 ]
 
-KEEP = "keep"
-ACCURACY = "accuracy"
-
 
 @FILTERS.register(
     "zero_variance",
     aliases=("dapo", "dynamic_sampling", "zero_variance_filter"),
     in_keys={"rewards": keys.REWARDS, "group_ids": keys.GROUP_IDS},
-    out_keys=[KEEP],
+    out_keys=[keys.KEEP],
 )
 def zero_variance_filter(
     rewards: Tensor,  # [B] float
@@ -83,22 +82,21 @@ def zero_variance_filter(
     >>> zero_variance_filter(r, torch.tensor([7, 7, 3, 3, 9]))
     tensor([False, False,  True,  True, False])
     """
-    check_ndim("rewards", rewards, 1)
-    check_float("rewards", rewards)
-    check_finite("rewards", rewards)
+    check_finite_float("rewards", rewards, ndim=1)
     check_group_ids("group_ids", group_ids, rewards.shape[0])
-    atol = _check_scalar("atol", atol)
+    atol = check_scalar("atol", atol)
     check_positive("atol", atol, allow_zero=True)
     index, num_groups = group_index(group_ids)
-    spread = _segment_range(rewards.to(torch.float64), index, num_groups)
+    r64 = rewards.to(torch.float64)
+    spread = segment_max(r64, index, num_groups) - segment_min(r64, index, num_groups)
     return (spread > atol)[index]
 
 
 @FILTERS.register(
     "accuracy_band",
     aliases=("difficulty", "accuracy_band_filter", "pass_rate"),
-    in_keys={"accuracy": ACCURACY, "group_ids": keys.GROUP_IDS},
-    out_keys=[KEEP],
+    in_keys={"accuracy": keys.ACCURACY, "group_ids": keys.GROUP_IDS},
+    out_keys=[keys.KEEP],
 )
 def accuracy_band_filter(
     accuracy: Tensor,  # [B] float in [0, 1] (or bool / int 0/1)
@@ -143,8 +141,8 @@ def accuracy_band_filter(
         raise ValueError(f"accuracy: expected a real tensor, got dtype {accuracy.dtype}")
     check_group_ids("group_ids", group_ids, accuracy.shape[0])
     check_choice("inclusive", inclusive, ("both", "neither", "left", "right"))
-    low = _check_scalar("low", low)
-    high = _check_scalar("high", high)
+    low = check_scalar("low", low)
+    high = check_scalar("high", high)
     if not (0.0 <= low <= high <= 1.0):
         raise ValueError(f"low, high: must satisfy 0 <= low <= high <= 1, got low={low}, high={high}")
     acc = accuracy.to(torch.float64)
@@ -165,7 +163,7 @@ def accuracy_band_filter(
     "length",
     aliases=("length_filter",),
     in_keys={"lengths": keys.RESPONSE_LENGTH},
-    out_keys=[KEEP],
+    out_keys=[keys.KEEP],
 )
 def length_filter(
     lengths: Tensor,  # [B] int
@@ -186,9 +184,9 @@ def length_filter(
     tensor([False,  True,  True, False])
     """
     check_ndim("lengths", lengths, 1)
-    _check_int_tensor("lengths", lengths)
-    min_length = None if min_length is None else _check_int("min_length", min_length)
-    max_length = None if max_length is None else _check_int("max_length", max_length)
+    check_int_tensor("lengths", lengths)
+    min_length = None if min_length is None else check_int("min_length", min_length)
+    max_length = None if max_length is None else check_int("max_length", max_length)
     if min_length is not None and max_length is not None and min_length > max_length:
         raise ValueError(f"min_length: must be <= max_length, got {min_length} > {max_length}")
     keep = torch.ones(lengths.shape, dtype=torch.bool, device=lengths.device)
@@ -203,7 +201,7 @@ def length_filter(
     "staleness",
     aliases=("staleness_filter", "freshness"),
     in_keys={"policy_version": keys.POLICY_VERSION},
-    out_keys=[KEEP],
+    out_keys=[keys.KEEP],
 )
 def staleness_filter(
     policy_version: Tensor,  # [B] int
@@ -229,9 +227,9 @@ def staleness_filter(
     tensor([ True,  True, False,  True])
     """
     check_ndim("policy_version", policy_version, 1)
-    _check_int_tensor("policy_version", policy_version)
-    current_version = _check_int("current_version", current_version)
-    max_staleness = _check_scalar("max_staleness", max_staleness)
+    check_int_tensor("policy_version", policy_version)
+    current_version = check_int("current_version", current_version)
+    max_staleness = check_scalar("max_staleness", max_staleness)
     check_positive("max_staleness", max_staleness, allow_zero=True)
     if policy_version.numel() > 0 and value_checks_enabled():
         newest = int(policy_version.max())

@@ -16,8 +16,11 @@ import torch
 from torch import Tensor
 
 from rollkit.validation import (
+    check_float,
     check_group_ids,
     check_mask,
+    check_ndim,
+    check_positive,
     check_tensor,
     value_checks_enabled,
 )
@@ -25,6 +28,7 @@ from rollkit.validation import (
 __all__ = [
     "broadcast_to_tokens",
     "group_index",
+    "group_normalize",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -146,19 +150,46 @@ def masked_whiten(
         y = (x - mean) / sqrt(var + eps)        (shift_mean=True)
         y = (x - mean) / sqrt(var + eps) + mean (shift_mean=False: rescale, keep the mean)
 
-    ``var`` is :func:`masked_var` with the given ``unbiased`` flag (verl and OpenRLHF whiten
-    with the unbiased variance; TRL's ``whiten`` too).
+    ``var`` is the masked variance with the given ``unbiased`` flag (verl and OpenRLHF whiten
+    with the unbiased variance; TRL's ``whiten`` too). The usual advantage whitening of PPO
+    (Schulman et al., 2017, arXiv:1707.06347, as implemented by OpenAI baselines) and of
+    REINFORCE++ (Hu, 2025, arXiv:2501.03262). Unlike :func:`group_normalize` the statistics
+    are over all selected entries (no groups) and ``eps`` goes under the square root.
+
+    Numerics: the statistics are computed on the values shifted by their masked minimum (in
+    float32 for 16-bit inputs; the result has the dtype of ``x``). A constant input (zero
+    variance) therefore gives exactly 0 (``shift_mean=False``: exactly its mean), also with
+    ``eps=0``, instead of ``rounding / sqrt(eps)`` noise, and float32 values far from 0 with a
+    small spread keep their precision (the mean's rounding error scales with the spread, not
+    with the magnitude: no float64 copy of a ``[B, T]`` tensor is needed). An empty mask raises ``ValueError`` (as
+    :func:`masked_mean`), so does a single selected entry with ``unbiased=True``.
+
+    Args:
+        x: float tensor, any shape. mask: bool tensor of the same shape.
+        eps: ``>= 0``, added to the variance.
 
     >>> y = masked_whiten(torch.tensor([1.0, 2.0, 3.0]), torch.ones(3, dtype=torch.bool))
     >>> torch.allclose(y, torch.tensor([-1.0, 0.0, 1.0]), atol=1e-6)
     True
+    >>> masked_whiten(torch.full((3,), 0.1), torch.ones(3, dtype=torch.bool)).tolist()
+    [0.0, 0.0, 0.0]
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=unbiased)
-    y = (x - mean) * torch.rsqrt(var + eps)
+    check_tensor("x", x)
+    check_mask("mask", mask, x, "x")
+    check_positive("eps", eps, allow_zero=True)
+    work = x if x.dtype in (torch.float64, torch.float32) else x.float()
+    inf = torch.full((), float("inf"), dtype=work.dtype, device=work.device)
+    # shift by the masked minimum (a constant, so no gradient): a constant input becomes 0 exactly
+    lo = torch.where(mask, work, inf).amin().detach() if work.numel() > 0 else inf
+    d = work - lo
+    mean = masked_mean(d, mask)
+    var = masked_var(d, mask, unbiased=unbiased)
+    pos = var > 0
+    scale = torch.where(pos, torch.rsqrt(torch.where(pos, var + eps, torch.ones_like(var))), 0.0)
+    y = (d - mean) * scale
     if not shift_mean:
-        y = y + mean
-    return torch.where(mask, y, torch.zeros((), dtype=y.dtype, device=y.device))
+        y = y + (mean + lo)
+    return torch.where(mask, y, torch.zeros((), dtype=y.dtype, device=y.device)).to(x.dtype)
 
 
 # --------------------------------------------------------------------------- segments
@@ -183,18 +214,20 @@ def segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     return out.index_add(0, index, x)
 
 
+def _segment_extreme(x: Tensor, index: Tensor, num_segments: int, reduce: str, fill: float) -> Tensor:
+    out = torch.full((num_segments, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
+    idx = index.reshape(-1, *([1] * (x.ndim - 1))).expand_as(x)
+    return out.scatter_reduce(0, idx, x, reduce=reduce, include_self=True)
+
+
 def segment_min(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     """Minimum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``+inf``."""
-    out = torch.full((num_segments, *x.shape[1:]), float("inf"), dtype=x.dtype, device=x.device)
-    idx = index.reshape(-1, *([1] * (x.ndim - 1))).expand_as(x)
-    return out.scatter_reduce(0, idx, x, reduce="amin", include_self=True)
+    return _segment_extreme(x, index, num_segments, "amin", float("inf"))
 
 
 def segment_max(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     """Maximum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``-inf``."""
-    out = torch.full((num_segments, *x.shape[1:]), float("-inf"), dtype=x.dtype, device=x.device)
-    idx = index.reshape(-1, *([1] * (x.ndim - 1))).expand_as(x)
-    return out.scatter_reduce(0, idx, x, reduce="amax", include_self=True)
+    return _segment_extreme(x, index, num_segments, "amax", float("-inf"))
 
 
 def segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -226,6 +259,68 @@ def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) 
 def segment_std(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
     """Standard deviation of each segment: ``sqrt(segment_var)``."""
     return segment_var(x, index, num_segments, unbiased=unbiased).sqrt()
+
+
+def group_normalize(
+    x: Tensor,  # [B, ...] float
+    index: Tensor,  # [B] int64 dense group index in [0, num_groups)
+    num_groups: int,
+    *,
+    scale: bool = True,
+    unbiased: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:  # [B, ...], dtype of x
+    """Group-relative normalisation along dim 0: ``(x - mean_g) / (std_g + eps)``, or ``x - mean_g``.
+
+        y_i = (x_i - mean_{g(i)} x) / (std_{g(i)} x + eps)     (scale=True)
+        y_i =  x_i - mean_{g(i)} x                             (scale=False)
+
+    The group-relative advantage of GRPO (Shao et al., 2024, DeepSeekMath, arXiv:2402.03300)
+    without the reward-specific validation; used by the outcome estimators, GiGPO / StarPO and
+    :func:`rollkit.rewards.normalize_rewards`. Unlike :func:`masked_whiten` the statistics are
+    per group (``index``, as from :func:`group_index`) and ``eps`` is added to the std, not
+    under the square root. ``std`` divides by ``n - 1`` (``unbiased=True``) or ``n``.
+
+    One behaviour per edge case:
+
+    * a group whose values are all (bitwise) equal, and every singleton, gives exactly 0: the
+      statistics are computed on ``x - min_g x``, which is exactly 0 there;
+    * a spread of exactly 0 leaves ``x - mean_g`` unscaled (so ``eps = 0`` is allowed); an
+      unbiased std of a singleton counts as 0 spread;
+    * empty input gives empty output. Arithmetic is in the dtype of ``x`` (pass float64 for
+      more precision).
+
+    Args:
+        x: ``[B, ...]`` float; statistics along dimension 0.
+        index: ``[B]`` int64 group of each row, in ``[0, num_groups)``.
+        num_groups: ``G``.
+        scale: divide by ``std + eps`` (GRPO) or only centre (Dr.GRPO, ``F_norm = 1``).
+        unbiased: Bessel-corrected std (``torch.std``'s default, used by verl and TRL).
+        eps: ``>= 0``, added to the std.
+
+    >>> x = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 7.0])
+    >>> index, G = group_index(torch.tensor([3, 3, 3, 3, 8, 8, 9]))
+    >>> y = group_normalize(x, index, G, eps=0.0)     # std of [1, 0, 0, 1] is sqrt(1/3)
+    >>> torch.allclose(y[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 * 3**0.5)
+    True
+    >>> y[4:].tolist(), group_normalize(x, index, G, scale=False)[:4].tolist()
+    ([0.0, 0.0, 0.0], [0.5, -0.5, -0.5, 0.5])
+    """
+    check_tensor("x", x)
+    check_float("x", x)
+    check_ndim("index", index, 1)
+    if index.shape[0] != x.shape[0]:
+        raise ValueError(f"index: has {index.shape[0]} entries but x has {x.shape[0]} rows")
+    check_positive("eps", eps, allow_zero=True)
+    d = x - segment_min(x, index, num_groups).index_select(0, index)  # >= 0, 0 in constant groups
+    centred = d - segment_mean(d, index, num_groups).index_select(0, index)
+    if not scale:
+        return centred
+    count = segment_count(index, num_groups, x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+    denom = (count - 1) if unbiased else count
+    std = (segment_sum(centred.square(), index, num_groups) / denom.clamp(min=1)).sqrt()
+    std = std.index_select(0, index)
+    return torch.where(std > 0, centred / (std + eps), centred)
 
 
 def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:

@@ -18,24 +18,24 @@ Conventions (see ``docs/rewards.md``):
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from rollkit import keys
-from rollkit.ops import group_index, segment_count, segment_mean, segment_sum
+from rollkit.ops import group_index, group_normalize, segment_mean
 from rollkit.registry import REWARD_TRANSFORMS
 from rollkit.validation import (
     check_choice,
-    check_finite,
-    check_float,
+    check_finite_float,
     check_group_ids,
+    check_int,
+    check_int_tensor,
     check_mask,
     check_ndim,
     check_positive,
-    check_tensor,
+    check_scalar,
     value_checks_enabled,
 )
 
@@ -47,43 +47,6 @@ __all__ = [
     "normalize_rewards",
     "overlong_penalty",
 ]
-
-TRUNCATED = "truncated"
-OVERLONG_PENALTY = "overlong_penalty"
-
-
-def _check_scalar(name: str, value: float) -> float:
-    """Raise unless ``value`` is a real number that is not NaN (inf is allowed)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a number, got {type(value).__name__}")
-    if value != value:
-        raise ValueError(f"{name}: must not be NaN")
-    return float(value)
-
-
-def _check_int(name: str, value: object) -> int:
-    """Return ``value`` as an ``int``; raise unless it is an integer (numpy ints too, not bool)."""
-    if isinstance(value, bool) or isinstance(value, Tensor):
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}") from None
-
-
-def _check_int_tensor(name: str, x: Tensor) -> None:
-    check_tensor(name, x)
-    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise ValueError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
-
-
-def _segment_range(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    """``max - min`` of each segment of the 1-D ``x``, ``[G]`` (0 for an empty segment)."""
-    base = torch.zeros(num_segments, dtype=x.dtype, device=x.device)
-    hi = base.scatter_reduce(0, index, x, reduce="amax", include_self=False)
-    lo = base.scatter_reduce(0, index, x, reduce="amin", include_self=False)
-    return hi - lo
-
 
 # --------------------------------------------------------------------------- normalisation
 
@@ -114,7 +77,8 @@ def normalize_rewards(
 
     where :math:`S(i)` is the whole batch (``level="batch"``) or the group of sample ``i``
     (``level="group"``), :math:`\mu` its mean and :math:`\sigma` its standard deviation
-    (``n - 1`` divisor if ``unbiased_std``, else ``n``). Statistics are computed in float64.
+    (``n - 1`` divisor if ``unbiased_std``, else ``n``). Statistics are computed in float64,
+    with :func:`rollkit.ops.group_normalize` (one group for ``level="batch"``).
 
     ``level="group"`` is the GRPO outcome normalisation (Shao et al., 2024, DeepSeekMath,
     arXiv:2402.03300); ``level="batch"`` is the global reward whitening of REINFORCE++ (Hu,
@@ -145,11 +109,9 @@ def normalize_rewards(
     >>> torch.allclose(normalize_rewards(torch.tensor([1.0, 2.0, 3.0]), eps=0.0), torch.tensor([-1.0, 0.0, 1.0]))
     True
     """
-    check_ndim("rewards", rewards, 1)
-    check_float("rewards", rewards)
-    check_finite("rewards", rewards)
+    check_finite_float("rewards", rewards, ndim=1)
     check_choice("level", level, ("batch", "group"))
-    check_positive("eps", _check_scalar("eps", eps), allow_zero=True)
+    check_positive("eps", check_scalar("eps", eps), allow_zero=True)
     n_samples = rewards.shape[0]
     if level == "group":
         if group_ids is None:
@@ -162,17 +124,9 @@ def normalize_rewards(
         index = torch.zeros(n_samples, dtype=torch.long, device=rewards.device)
         num_groups = 1 if n_samples > 0 else 0
     x = rewards.to(torch.float64)
-    mean = segment_mean(x, index, num_groups)
-    count = segment_count(index, num_groups, torch.float64)
-    dev = x - mean[index]
-    ss = segment_sum(dev.square(), index, num_groups)
-    denom = (count - 1.0) if unbiased_std else count
-    std = (ss / denom.clamp(min=1.0)).sqrt()
-    degenerate = (count < 2) | (_segment_range(x, index, num_groups) == 0)
-    scale = torch.where(degenerate, torch.zeros_like(std), 1.0 / (std + eps).clamp(min=1e-300))
-    y = dev * scale[index]
+    y = group_normalize(x, index, num_groups, scale=True, unbiased=unbiased_std, eps=eps)
     if not shift_mean:
-        y = y + mean[index]
+        y = y + segment_mean(x, index, num_groups)[index]
     return y.to(rewards.dtype)
 
 
@@ -228,9 +182,9 @@ class RunningRewardNormalizer:
         shift_mean: bool = True,
         clip: float | None = None,
     ) -> None:
-        check_positive("eps", _check_scalar("eps", eps), allow_zero=True)
+        check_positive("eps", check_scalar("eps", eps), allow_zero=True)
         if clip is not None:
-            check_positive("clip", _check_scalar("clip", clip))
+            check_positive("clip", check_scalar("clip", clip))
         self.unbiased_std = bool(unbiased_std)
         self.eps = float(eps)
         self.shift_mean = bool(shift_mean)
@@ -254,8 +208,7 @@ class RunningRewardNormalizer:
 
     def update(self, rewards: Tensor) -> None:
         """Merge the rewards of a batch (any shape, every entry counts) into the statistics."""
-        check_float("rewards", rewards)
-        check_finite("rewards", rewards)
+        check_finite_float("rewards", rewards)
         x = rewards.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
         n_b = x.numel()
         if n_b == 0:
@@ -276,8 +229,7 @@ class RunningRewardNormalizer:
         normalised with them (the convention of baselines ``VecNormalize``). Returns a new
         tensor of the shape, dtype and device of ``rewards``.
         """
-        check_float("rewards", rewards)
-        check_finite("rewards", rewards)
+        check_finite_float("rewards", rewards)
         if update:
             self.update(rewards)
         if int(self.count) == 0:
@@ -349,10 +301,9 @@ def clip_rewards(
     >>> clip_rewards(torch.tensor([-3.0, 0.5, 9.0]), low=-1.0, high=2.0)
     tensor([-1.0000,  0.5000,  2.0000])
     """
-    check_float("rewards", rewards)
-    check_finite("rewards", rewards)
-    low = _check_scalar("low", low)
-    high = _check_scalar("high", high)
+    check_finite_float("rewards", rewards)
+    low = check_scalar("low", low)
+    high = check_scalar("high", high)
     if low > high:
         raise ValueError(f"low: must be <= high, got low={low} > high={high}")
     return rewards.clamp(min=low, max=high)
@@ -378,9 +329,8 @@ def clip_advantages(
     tensor([[-1.0000,  0.3000],
             [ 1.0000,  0.0000]])
     """
-    check_float("advantages", advantages)
-    check_finite("advantages", advantages)
-    max_abs = _check_scalar("max_abs", max_abs)
+    check_finite_float("advantages", advantages)
+    max_abs = check_scalar("max_abs", max_abs)
     check_positive("max_abs", max_abs)
     return advantages.clamp(min=-max_abs, max=max_abs)
 
@@ -392,7 +342,7 @@ def clip_advantages(
     "overlong_penalty",
     aliases=("dapo_overlong", "soft_overlong_punishment"),
     in_keys={"lengths": keys.RESPONSE_LENGTH},
-    out_keys=[OVERLONG_PENALTY],
+    out_keys=[keys.OVERLONG_PENALTY],
 )
 def overlong_penalty(
     lengths: Tensor,  # [B] int, number of generated tokens
@@ -432,16 +382,16 @@ def overlong_penalty(
     tensor([ 0.0000,  0.0000, -0.5000, -1.0000, -1.0000])
     """
     check_ndim("lengths", lengths, 1)
-    _check_int_tensor("lengths", lengths)
+    check_int_tensor("lengths", lengths)
     if value_checks_enabled() and lengths.numel() > 0 and int(lengths.min()) < 0:
         raise ValueError(f"lengths: must be >= 0, got min {int(lengths.min())}")
-    max_length = _check_int("max_length", max_length)
-    cache_length = _check_int("cache_length", cache_length)
+    max_length = check_int("max_length", max_length)
+    cache_length = check_int("cache_length", cache_length)
     check_positive("max_length", max_length)
     check_positive("cache_length", cache_length, allow_zero=True)
     if cache_length > max_length:
         raise ValueError(f"cache_length: must be <= max_length ({max_length}), got {cache_length}")
-    penalty_factor = _check_scalar("penalty_factor", penalty_factor)
+    penalty_factor = check_scalar("penalty_factor", penalty_factor)
     check_positive("penalty_factor", penalty_factor, allow_zero=True)
     out_dtype = dtype or torch.get_default_dtype()
     expected = max_length - cache_length
@@ -458,7 +408,7 @@ def overlong_penalty(
 @REWARD_TRANSFORMS.register(
     "mask_truncated",
     aliases=("overlong_filter",),
-    in_keys={"mask": keys.RESPONSE_MASK, "truncated": TRUNCATED},
+    in_keys={"mask": keys.RESPONSE_MASK, "truncated": keys.TRUNCATED},
     out_keys=[keys.RESPONSE_MASK],
 )
 def mask_truncated(

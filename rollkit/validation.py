@@ -12,6 +12,7 @@ with :func:`value_checks`::
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -104,6 +105,30 @@ def check_finite(name: str, x: Tensor) -> None:
         raise ValueError(f"{name}: contains {n_nan} NaN and {n_inf} inf values (first at index {first})")
 
 
+def check_finite_float(name: str, x: object, ndim: int | Sequence[int] | None = None) -> Tensor:
+    """Raise unless ``x`` is a floating-point tensor (with ``ndim`` dimensions, when given) of
+    finite values; the usual check of rewards, returns and advantages. The finiteness part is
+    skipped inside ``value_checks(False)``. Returns ``x``."""
+    x = check_tensor(name, x)
+    if ndim is not None:
+        check_ndim(name, x, ndim)
+    check_float(name, x)
+    check_finite(name, x)
+    return x
+
+
+def check_finite_under_mask(name: str, x: Tensor, mask: Tensor) -> None:
+    """Raise if ``x`` holds NaN or +/-inf where ``mask`` is True (entries outside are ignored).
+
+    For ``[B, T]`` token tensors whose padding may hold anything. Skipped inside
+    ``value_checks(False)``. ``mask`` must be a bool tensor of the shape of ``x``.
+    """
+    check_tensor(name, x)
+    check_mask("mask", mask, x, name)
+    if _VALUE_CHECKS:
+        check_finite(name, torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)))
+
+
 def check_nonempty(name: str, mask: Tensor) -> None:
     """Raise if ``mask`` selects nothing (skipped inside ``value_checks(False)``)."""
     if not _VALUE_CHECKS:
@@ -129,6 +154,45 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None
     if not ok or value != value:  # NaN fails too
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}: must be {bound}, got {value}")
+
+
+def check_scalar(name: str, value: object) -> float:
+    """Return ``value`` as a ``float``; raise unless it is a real number that is not NaN.
+
+    ``+/-inf`` is allowed (one-sided bounds); ``bool`` and tensors are rejected.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {type(value).__name__}")
+    if value != value:
+        raise ValueError(f"{name}: must not be NaN")
+    return float(value)
+
+
+def check_int(name: str, value: object) -> int:
+    """Return ``value`` as an ``int``; raise unless it is an integer (numpy ints too; not bool,
+    not a tensor, not a float such as ``3.0``)."""
+    if isinstance(value, (bool, Tensor)):
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def check_int_tensor(name: str, x: object) -> None:
+    """Raise unless ``x`` is a tensor of an integer dtype (not bool, float or complex)."""
+    x = check_tensor(name, x)
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+
+
+def check_discount(name: str, value: object) -> float:
+    """Return a discount factor (``gamma``, ``lambda``) as a ``float``; raise unless it is a real
+    number (int or float, not bool) in ``[0, 1]`` (NaN fails)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a float in [0, 1], got {type(value).__name__}")
+    check_in_range(name, float(value), 0.0, 1.0)
+    return float(value)
 
 
 def check_in_range(name: str, value: float, low: float, high: float) -> None:

@@ -505,3 +505,19 @@ def test_runs_on_a_tensordict_through_the_registry_keys():
     td["episode_returns"] = torch.where(traj == 1, 1.0, 3.0)  # optional key, read when present
     out = td_module("gigpo", gamma=0.5, step_weight=0.0)(td)["advantages"]
     torch.testing.assert_close(out, torch.where(traj == 1, -1.0, 1.0))
+
+
+def test_group_normalisation_is_the_shared_ops_routine():
+    from rollkit.ops import group_index, group_normalize
+
+    R = torch.tensor([1000.1, 1000.2, 1000.3, 7.0, 7.0, 1000.2, 3.0])
+    g = torch.tensor([5, 5, 5, 1, 1, 5, 2])
+    idx, G = group_index(g)
+    for norm, unbiased in (("std", True), ("std", False), ("none", True)):
+        adv = starpo_advantages(R, g, norm=norm, unbiased_std=unbiased)
+        assert torch.equal(adv, group_normalize(R, idx, G, scale=norm == "std", unbiased=unbiased, eps=1e-6))
+    # min-shifted statistics: float32 values far from 0 keep their precision (a plain
+    # x - mean in float32 is off by ~1e-3 here)
+    ref = starpo_advantages(R.double(), g)
+    torch.testing.assert_close(starpo_advantages(R, g).double(), ref, rtol=0, atol=1e-5)
+    assert starpo_advantages(R, g)[3:5].tolist() == [0.0, 0.0]

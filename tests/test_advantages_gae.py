@@ -539,7 +539,12 @@ def test_errors_name_the_argument():
 def test_registry_entries():
     e = ADVANTAGE_ESTIMATORS.entry("gae")
     assert e.fn is gae_advantages
-    assert dict(e.in_keys) == {"token_rewards": "token_rewards", "values": "values", "mask": "response_mask"}
+    assert dict(e.in_keys) == {
+        "token_rewards": "token_rewards",
+        "values": "values",
+        "mask": "response_mask",
+        "bootstrap_value": "bootstrap_value",
+    }
     assert tuple(e.out_keys) == ("advantages", "returns")
     assert ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus") is reinforce_pp_advantages
     assert ADVANTAGE_ESTIMATORS.entry("reinforce++").in_keys["rewards"] == "rewards"
@@ -548,3 +553,43 @@ def test_registry_entries():
     assert tuple(e.out_keys) == ("advantages",)
     e = ADVANTAGE_ESTIMATORS.entry("discounted-returns")
     assert e.fn is discounted_returns and tuple(e.out_keys) == ("returns",)
+
+
+def test_gae_td_module_with_and_without_bootstrap_value():
+    from tensordict import TensorDict
+
+    from rollkit.td import td_module
+
+    r = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    v = torch.tensor([[0.5, 0.25, 0.0], [1.0, 0.0, 0.0]])
+    m = torch.tensor([[True, True, False], [True, False, False]])
+    boot = torch.tensor([2.0, -1.0])
+    td = TensorDict(token_rewards=r, values=v, response_mask=m, batch_size=[2])
+    module = td_module("gae", registry="advantage", gamma=0.5, lam=1.0)
+    out = module(td.clone())  # no bootstrap_value key: terminated episodes (V = 0 after the end)
+    adv, ret = gae_advantages(r, v, m, gamma=0.5, lam=1.0)
+    torch.testing.assert_close(out["advantages"], adv)
+    torch.testing.assert_close(out["returns"], ret)
+    # by hand, row 0: delta_1 = 1 - 0.25 = 0.75, delta_0 = 0 + 0.5 * 0.25 - 0.5 = -0.375,
+    # A_0 = -0.375 + 0.5 * 0.75 = 0; row 1: A_0 = 1 - 1 = 0
+    torch.testing.assert_close(out["advantages"], torch.tensor([[0.0, 0.75, 0.0], [0.0, 0.0, 0.0]]))
+    td["bootstrap_value"] = boot
+    out_b = module(td.clone())
+    adv_b, ret_b = gae_advantages(r, v, m, gamma=0.5, lam=1.0, bootstrap_value=boot)
+    torch.testing.assert_close(out_b["advantages"], adv_b)
+    torch.testing.assert_close(out_b["returns"], ret_b)
+    # the bootstrap enters after the last valid token: + gamma * V_boot on it, discounted back
+    expected = torch.tensor([[0.5, 1.75, 0.0], [-0.5, 0.0, 0.0]])  # A_0 = -0.375 + 0.5 * 1.75
+    torch.testing.assert_close(out_b["advantages"], expected)
+
+
+def test_reinforce_pp_constant_returns_whiten_to_exact_zero():
+    # every valid token has the same return 0.3 (gamma = 1, no KL): zero variance, so the
+    # whitened advantage is exactly 0 (float64 statistics on min-shifted returns), not noise / eps
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    for r in (0.3, 0.1, 1000.3):
+        adv = reinforce_pp_advantages(torch.full((3,), r), mask)
+        assert adv.tolist() == [[0.0] * 3] * 3
+    # group-centred constant groups as well
+    adv = reinforce_pp_baseline_advantages(torch.tensor([0.7, 0.7, 0.2]), torch.tensor([0, 0, 1]), mask)
+    assert adv.tolist() == [[0.0] * 3] * 3

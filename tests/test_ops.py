@@ -46,7 +46,9 @@ def test_empty_mask_mean_raises_naming_mask():
         masked_mean(torch.ones(3), torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="empty slice"):
         masked_mean(torch.ones(2, 2), torch.tensor([[True, False], [False, False]]), dim=-1)
-    out = masked_mean(torch.ones(2, 2), torch.tensor([[True, False], [False, False]]), dim=-1, empty_value=0.0)
+    out = masked_mean(
+        torch.ones(2, 2), torch.tensor([[True, False], [False, False]]), dim=-1, empty_value=0.0
+    )
     torch.testing.assert_close(out, torch.tensor([1.0, 0.0]))
     with value_checks(False):  # no data-dependent check: empty slices give 0
         assert masked_mean(torch.ones(3), torch.zeros(3, dtype=torch.bool)).item() == 0.0
@@ -86,7 +88,9 @@ def test_masked_ops_match_boolean_indexing(data):
     torch.testing.assert_close(masked_sum(x, m), sel.sum())
     torch.testing.assert_close(masked_mean(x, m), sel.mean())
     torch.testing.assert_close(masked_var(x, m), sel.var(unbiased=True), rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(masked_var(x, m, unbiased=False), sel.var(unbiased=False), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(
+        masked_var(x, m, unbiased=False), sel.var(unbiased=False), rtol=1e-9, atol=1e-9
+    )
 
 
 def test_group_index_is_dense_and_sorted():
@@ -115,7 +119,9 @@ def test_segment_ops_match_per_group_loop(data):
         want_u = sel.var(unbiased=True) if sel.numel() > 1 else torch.zeros((), dtype=x.dtype)
         torch.testing.assert_close(segment_var(x, idx, G, unbiased=False)[g], want_b, rtol=1e-9, atol=1e-6)
         torch.testing.assert_close(segment_var(x, idx, G, unbiased=True)[g], want_u, rtol=1e-9, atol=1e-6)
-        torch.testing.assert_close(segment_std(x, idx, G, unbiased=False)[g], want_b.sqrt(), rtol=1e-9, atol=1e-6)
+        torch.testing.assert_close(
+            segment_std(x, idx, G, unbiased=False)[g], want_b.sqrt(), rtol=1e-9, atol=1e-6
+        )
 
 
 def test_segment_ops_on_rows():
@@ -143,3 +149,121 @@ def test_segment_min_max():
     assert segment_max(x, idx, 3).tolist() == [5.0, float("-inf"), 2.0]
     rows = torch.tensor([[1.0, 4.0], [2.0, 0.0]])
     assert segment_max(rows, torch.tensor([0, 0]), 1).tolist() == [[2.0, 4.0]]
+
+
+# --------------------------------------------------------------------------- group_normalize
+
+
+def test_group_normalize_hand_computed():
+    from rollkit.ops import group_normalize
+
+    x = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 7.0, 2.0, 4.0])
+    index, G = group_index(torch.tensor([3, 3, 3, 3, 8, 8, 9, 4, 4]))
+    # group 3: [1, 0, 0, 1], mean 0.5, unbiased std sqrt(1/3), biased std 0.5
+    y = group_normalize(x, index, G, eps=0.0)
+    torch.testing.assert_close(y[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 * 3**0.5)
+    # group 4: [2, 4], mean 3, biased std 1, unbiased std sqrt(2); with eps=0.5: +-1 / 1.5
+    yb = group_normalize(x, index, G, unbiased=False, eps=0.5)
+    torch.testing.assert_close(yb[7:], torch.tensor([-1.0, 1.0]) / 1.5)
+    torch.testing.assert_close(yb[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.5 / 1.0)
+    yc = group_normalize(x, index, G, scale=False)
+    assert yc.tolist() == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, -1.0, 1.0]
+    # constant group (5, 5) and singleton (7): exactly 0 in every mode
+    for out in (y, yb, yc):
+        assert out[4:7].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_group_normalize_constant_groups_are_exactly_zero():
+    from rollkit.ops import group_normalize
+
+    # 0.1 and 1000.3 are not representable: a plain (x - mean) leaves rounding noise that
+    # /(0 + eps) would blow up; the min-shift makes these groups exactly 0, also with eps=0
+    x = torch.tensor([0.1, 0.1, 0.1, 1000.3, 1000.3, 1000.3, 1000.3, 1000.3, 1000.3, 1000.3])
+    index = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 1])
+    for eps in (0.0, 1e-8):
+        for unbiased in (True, False):
+            y = group_normalize(x, index, 2, eps=eps, unbiased=unbiased)
+            assert y.tolist() == [0.0] * 10
+    assert group_normalize(torch.zeros(0), torch.zeros(0, dtype=torch.long), 0).shape == (0,)
+    # a singleton with an unbiased std: zero spread, exactly 0
+    assert group_normalize(torch.tensor([3.7]), torch.tensor([0]), 1, eps=0.0).tolist() == [0.0]
+
+
+def test_group_normalize_rows_and_validation():
+    from rollkit.ops import group_normalize
+
+    rows = torch.tensor([[1.0, 10.0], [3.0, 10.0], [5.0, 0.0]])
+    y = group_normalize(rows, torch.tensor([0, 0, 1]), 2, unbiased=False, eps=0.0)
+    torch.testing.assert_close(y, torch.tensor([[-1.0, 0.0], [1.0, 0.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="index: has 2 entries but x has 3 rows"):
+        group_normalize(torch.ones(3), torch.zeros(2, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="x: expected a floating-point tensor"):
+        group_normalize(torch.ones(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="eps: must be >= 0"):
+        group_normalize(torch.ones(3), torch.zeros(3, dtype=torch.long), 1, eps=-1.0)
+
+
+@given(st.data())
+def test_group_normalize_matches_per_group_reference(data):
+    from rollkit.ops import group_normalize
+    from rollkit.testing import rewards
+
+    B = data.draw(st.integers(1, 16))
+    gids = data.draw(group_ids(B))
+    x = data.draw(rewards(B))
+    unbiased = data.draw(st.booleans())
+    eps = data.draw(st.sampled_from([0.0, 1e-6, 0.5]))
+    idx, G = group_index(gids)
+    y = group_normalize(x.double(), idx, G, unbiased=unbiased, eps=eps)
+    yc = group_normalize(x.double(), idx, G, scale=False)
+    for u in torch.unique(gids).tolist():
+        sel = gids == u
+        v = x.double()[sel]
+        if bool((v == v[0]).all()):  # constant group or singleton: exactly 0
+            assert y[sel].tolist() == [0.0] * int(sel.sum())
+            assert yc[sel].tolist() == [0.0] * int(sel.sum())
+            continue
+        std = v.std(unbiased=unbiased)
+        torch.testing.assert_close(yc[sel], v - v.mean(), rtol=1e-9, atol=1e-9 * (1 + v.abs().max()))
+        torch.testing.assert_close(y[sel], (v - v.mean()) / (std + eps), rtol=1e-7, atol=1e-7)
+    # group-relative: shifting one group's values leaves the result unchanged
+    shift = torch.where(idx == 0, 3.0, 0.0).double()
+    shifted = group_normalize(x.double() + shift, idx, G, unbiased=unbiased, eps=eps)
+    torch.testing.assert_close(shifted, y, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- masked_whiten numerics
+
+
+def test_masked_whiten_constant_input_is_exactly_zero():
+    m = torch.tensor([[True, True, False], [True, True, True]])
+    for value in (0.1, 0.3, 1000.3, -7.7):
+        x = torch.full((2, 3), value)
+        x[0, 2] = float("nan")  # outside the mask: ignored
+        for eps in (0.0, 1e-8):
+            assert masked_whiten(x, m, eps=eps).tolist() == [[0.0] * 3] * 2
+            kept = masked_whiten(x, m, eps=eps, shift_mean=False)
+            assert kept[m].tolist() == [torch.tensor(value).item()] * 5
+    with pytest.raises(ValueError, match="mask: selects no elements"):
+        masked_whiten(torch.ones(3), torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="eps: must be >= 0"):
+        masked_whiten(torch.ones(3), torch.ones(3, dtype=torch.bool), eps=-1.0)
+
+
+def test_masked_whiten_float32_keeps_precision_with_a_large_offset():
+    # spread 1e-2 on top of 1e3: a plain float32 mean is off by ~1e-4, i.e. 1% of the spread;
+    # shifted by the minimum the result is exact to float32 rounding
+    gen = torch.Generator().manual_seed(0)
+    x = (1000.0 + torch.randn(64, 128, generator=gen) * 1e-2).float()
+    m = torch.ones_like(x, dtype=torch.bool)
+    ref = masked_whiten(x.double(), m)
+    y = masked_whiten(x, m)
+    assert y.dtype == torch.float32
+    assert (y.double() - ref).abs().max().item() < 1e-6
+    assert masked_whiten(x.half(), m).dtype == torch.float16
+
+
+def test_masked_whiten_gradient():
+    x = torch.tensor([[0.3, -1.2, 2.0], [0.5, 4.0, 1.0]], dtype=torch.float64, requires_grad=True)
+    m = torch.tensor([[True, True, False], [True, True, True]])
+    assert torch.autograd.gradcheck(lambda t: masked_whiten(t, m, eps=1e-3), (x,))

@@ -446,3 +446,19 @@ def test_reward_transforms_registered_with_keys():
         # every keyword-only parameter is a scalar hyper-parameter, never a tensor input
         assert not (set(in_keys) & {p for p, v in params.items() if v.kind is v.KEYWORD_ONLY})
     assert REWARD_TRANSFORMS.get("dapo_overlong") is overlong_penalty
+
+
+def test_group_level_is_the_shared_ops_routine_in_float64():
+    from rollkit.ops import group_index, group_normalize
+
+    r = torch.tensor([0.3, 0.1, 0.1, 5.0, 2.5, 2.5, 2.5, -1.0])
+    g = torch.tensor([4, 4, 4, 0, 9, 9, 9, 4])
+    idx, G = group_index(g)
+    for unbiased, eps in ((True, 1e-6), (False, 0.0)):
+        want = group_normalize(r.double(), idx, G, unbiased=unbiased, eps=eps).float()
+        got = normalize_rewards(r, g, level="group", unbiased_std=unbiased, eps=eps)
+        assert torch.equal(got, want)
+    # singleton (5.0) and constant group (2.5 x 3): exactly 0, or exactly the mean
+    assert normalize_rewards(r, g, level="group")[3:7].tolist() == [0.0] * 4
+    kept = normalize_rewards(r, g, level="group", shift_mean=False)
+    assert kept[3:7].tolist() == [5.0, 2.5, 2.5, 2.5]

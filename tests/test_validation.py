@@ -18,9 +18,13 @@ from rollkit.validation import (
 
 
 def test_messages_name_the_argument_and_problem():
-    with pytest.raises(ValueError, match=r"^advantages: shape \[2, 3\] does not match logprobs shape \[2, 4\]$"):
+    with pytest.raises(
+        ValueError, match=r"^advantages: shape \[2, 3\] does not match logprobs shape \[2, 4\]$"
+    ):
         check_same_shape("advantages", torch.zeros(2, 3), "logprobs", torch.zeros(2, 4))
-    with pytest.raises(ValueError, match=r"^response_mask: expected a torch.bool mask, got dtype torch.float32"):
+    with pytest.raises(
+        ValueError, match=r"^response_mask: expected a torch.bool mask, got dtype torch.float32"
+    ):
         check_mask("response_mask", torch.ones(2))
     with pytest.raises(ValueError, match=r"^values: expected shape \[\*, 3\], got \[2, 4\]$"):
         check_shape("values", torch.zeros(2, 4), (None, 3))
@@ -32,7 +36,9 @@ def test_messages_name_the_argument_and_problem():
 
 def test_check_finite_reports_counts_and_first_index():
     x = torch.tensor([1.0, float("nan"), float("inf"), 2.0, float("-inf")])
-    with pytest.raises(ValueError, match=r"rewards: contains 1 NaN and 2 inf values \(first at index \(1,\)\)"):
+    with pytest.raises(
+        ValueError, match=r"rewards: contains 1 NaN and 2 inf values \(first at index \(1,\)\)"
+    ):
         check_finite("rewards", x)
     with value_checks(False):
         check_finite("rewards", x)  # skipped
@@ -99,3 +105,59 @@ def test_checks_never_modify_input():
     with pytest.raises(ValueError):
         check_finite("x", x)
     assert torch.equal(x.isnan(), before.isnan()) and x[0] == before[0]
+
+
+def test_scalar_int_and_int_tensor_checks():
+    from rollkit.validation import check_int, check_int_tensor, check_scalar
+
+    assert check_scalar("low", 2) == 2.0 and isinstance(check_scalar("low", 2), float)
+    assert check_scalar("high", float("inf")) == float("inf")  # one-sided bounds are allowed
+    with pytest.raises(ValueError, match=r"^low: must not be NaN$"):
+        check_scalar("low", float("nan"))
+    with pytest.raises(ValueError, match=r"^low: expected a number, got bool$"):
+        check_scalar("low", True)
+    with pytest.raises(ValueError, match=r"^low: expected a number, got Tensor$"):
+        check_scalar("low", torch.tensor(1.0))
+    assert check_int("max_length", 7) == 7
+    with pytest.raises(ValueError, match=r"^max_length: expected an int, got float$"):
+        check_int("max_length", 7.0)
+    with pytest.raises(ValueError, match=r"^max_length: expected an int, got bool$"):
+        check_int("max_length", False)
+    with pytest.raises(ValueError, match=r"^max_length: expected an int, got Tensor$"):
+        check_int("max_length", torch.tensor(3))
+    check_int_tensor("lengths", torch.tensor([1, 2], dtype=torch.int32))
+    for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1j])):
+        with pytest.raises(ValueError, match=r"^lengths: expected an integer tensor, got dtype"):
+            check_int_tensor("lengths", bad)
+    with pytest.raises(ValueError, match=r"^lengths: expected a torch.Tensor, got list$"):
+        check_int_tensor("lengths", [1, 2])
+
+
+def test_check_discount():
+    from rollkit.validation import check_discount
+
+    assert check_discount("gamma", 1) == 1.0 and check_discount("lam", 0.0) == 0.0
+    assert check_discount("gamma", 0.95) == 0.95
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match=r"^gamma: must be in \[0.0, 1.0\]"):
+            check_discount("gamma", bad)
+    for bad in (True, "0.9", torch.tensor(0.9), None):
+        with pytest.raises(ValueError, match=r"^gamma: expected a float in \[0, 1\], got"):
+            check_discount("gamma", bad)
+
+
+def test_check_finite_under_mask():
+    from rollkit.validation import check_finite_under_mask
+
+    x = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+    check_finite_under_mask("values", x, torch.tensor([[True, False], [False, True]]))  # padding ignored
+    with pytest.raises(
+        ValueError, match=r"^values: contains 0 NaN and 1 inf values \(first at index \(1, 0\)\)$"
+    ):
+        check_finite_under_mask("values", x, torch.tensor([[True, False], [True, True]]))
+    with value_checks(False):
+        check_finite_under_mask("values", x, torch.ones(2, 2, dtype=torch.bool))  # skipped
+    with pytest.raises(ValueError, match=r"^mask: expected a torch.bool mask"):
+        check_finite_under_mask("values", x, torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"^mask: shape \[2\] does not match values shape \[2, 2\]$"):
+        check_finite_under_mask("values", x, torch.ones(2, dtype=torch.bool))

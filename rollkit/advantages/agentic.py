@@ -15,8 +15,9 @@ Conventions shared by every function of this module:
 * Inputs may arrive in any order; ids are arbitrary integers (relabelling them changes
   nothing); trajectories may have different lengths; groups may have any size.
 * Group normalisation is ``(x - mean) / (std + eps)`` (``norm="std"``) or ``x - mean``
-  (``norm="none"``, i.e. ``F_norm = 1``). ``std`` is Bessel-corrected by default
-  (``unbiased_std=True``, as ``torch.std`` in verl / verl-agent / RAGEN).
+  (``norm="none"``, i.e. ``F_norm = 1``), computed by :func:`rollkit.ops.group_normalize`.
+  ``std`` is Bessel-corrected by default (``unbiased_std=True``, as ``torch.std`` in verl /
+  verl-agent / RAGEN).
 * A group whose values are all (bitwise) equal -- zero variance, and every singleton group --
   gives an advantage of exactly ``0`` to all its members: there is nothing to compare against.
   (Values equal only up to rounding give ``O(rounding / eps)`` with ``norm="std"``.)
@@ -30,15 +31,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollkit.keys import ADVANTAGES, GROUP_IDS, REWARDS
-from rollkit.ops import group_index, segment_mean, segment_std, segment_sum
+from rollkit.keys import (
+    ADVANTAGES,
+    EPISODE_RETURNS,
+    GROUP_IDS,
+    REWARDS,
+    STATE_IDS,
+    STEP_INDEX,
+    STEP_REWARDS,
+    TRAJ_IDS,
+)
+from rollkit.ops import group_index, group_normalize, segment_max, segment_min, segment_std, segment_sum
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
     check_choice,
+    check_discount,
     check_finite,
     check_float,
     check_group_ids,
-    check_in_range,
     check_ndim,
     check_positive,
     value_checks_enabled,
@@ -51,52 +61,22 @@ __all__ = [
     "starpo_advantages",
 ]
 
-# Descriptive (non-standard) batch keys used by the registry entries of this module.
-STEP_REWARDS = "step_rewards"
-TRAJ_IDS = "traj_ids"
-STEP_INDEX = "step_index"
-STATE_IDS = "state_ids"
-EPISODE_RETURNS = "episode_returns"
-
 _NORMS = ("std", "none")
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _segment_extrema(x: Tensor, index: Tensor, num_segments: int) -> tuple[Tensor, Tensor]:
-    """Per-segment ``(min, max)`` of a 1-D tensor, ``[G]`` each (empty segments: +inf / -inf)."""
-    lo = torch.full((num_segments,), float("inf"), dtype=x.dtype, device=x.device)
-    hi = torch.full((num_segments,), float("-inf"), dtype=x.dtype, device=x.device)
-    lo = lo.scatter_reduce(0, index, x, reduce="amin", include_self=True)
-    hi = hi.scatter_reduce(0, index, x, reduce="amax", include_self=True)
-    return lo, hi
-
-
 def _constant_within(name: str, values: Tensor, index: Tensor, num_segments: int, what: str) -> None:
     """Raise unless ``values`` is constant inside every segment of ``index``."""
     if not value_checks_enabled() or values.numel() == 0:
         return
-    lo, hi = _segment_extrema(values.to(torch.float64), index, num_segments)
-    bad = lo != hi
+    v = values.to(torch.float64)
+    bad = segment_min(v, index, num_segments) != segment_max(v, index, num_segments)
     if bool(bad.any()):
         raise ValueError(
             f"{name}: must be constant within each {what}; {int(bad.sum())} {what}(s) hold several values"
         )
-
-
-def _group_normalize(
-    x: Tensor, index: Tensor, num_groups: int, *, norm: str, eps: float, unbiased: bool
-) -> Tensor:
-    """``(x - mean_g) / (std_g + eps)`` or ``x - mean_g`` per group; exactly 0 in constant groups."""
-    mean = segment_mean(x, index, num_groups)
-    out = x - mean[index]
-    if norm == "std":
-        std = segment_std(x, index, num_groups, unbiased=unbiased)
-        out = out / (std[index] + eps)
-    lo, hi = _segment_extrema(x, index, num_groups)
-    constant = (lo == hi)[index]
-    return torch.where(constant, torch.zeros((), dtype=out.dtype, device=out.device), out)
 
 
 def _check_step_inputs(step_rewards: Tensor, traj_ids: Tensor, step_index: Tensor) -> None:
@@ -227,7 +207,7 @@ def discounted_step_returns(
     tensor([2., 2., 3., 4.])
     """
     _check_step_inputs(step_rewards, traj_ids, step_index)
-    check_in_range("gamma", gamma, 0.0, 1.0)
+    check_discount("gamma", gamma)
     n = step_rewards.shape[0]
     if n == 0:
         return step_rewards.clone()
@@ -313,7 +293,7 @@ def gigpo_advantages(
     n = step_rewards.shape[0]
     check_group_ids("group_ids", group_ids, n)
     check_group_ids("state_ids", state_ids, n)
-    check_in_range("gamma", gamma, 0.0, 1.0)
+    check_discount("gamma", gamma)
     check_positive("step_weight", step_weight, allow_zero=True)
     check_choice("norm", norm, _NORMS)
     check_positive("eps", eps, allow_zero=True)
@@ -338,22 +318,17 @@ def gigpo_advantages(
         traj_return = segment_sum(step_rewards, t_idx, num_traj)
     else:
         _constant_within("episode_returns", episode_returns, t_idx, num_traj, "trajectory")
-        # one representative per trajectory (all equal after the check); amax keeps it exact
-        traj_return = torch.full(
-            (num_traj,), float("-inf"), dtype=step_rewards.dtype, device=step_rewards.device
-        )
-        traj_return = traj_return.scatter_reduce(
-            0, t_idx, episode_returns.to(step_rewards.dtype), reduce="amax"
-        )
+        # one representative per trajectory (all equal after the check); the max keeps it exact
+        traj_return = segment_max(episode_returns.to(step_rewards.dtype), t_idx, num_traj)
     if episode_stats == "trajectory":
         traj_group = torch.zeros(num_traj, dtype=torch.int64, device=g_idx.device).scatter(0, t_idx, g_idx)
-        a_traj = _group_normalize(
-            traj_return, traj_group, num_groups, norm=norm, eps=eps, unbiased=unbiased_std
+        a_traj = group_normalize(
+            traj_return, traj_group, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
         )
         a_episode = a_traj[t_idx]
     else:
-        a_episode = _group_normalize(
-            traj_return[t_idx], g_idx, num_groups, norm=norm, eps=eps, unbiased=unbiased_std
+        a_episode = group_normalize(
+            traj_return[t_idx], g_idx, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
         )
 
     if step_weight == 0:
@@ -362,7 +337,7 @@ def gigpo_advantages(
     # ---- step level: discounted return-to-go, normalised within the anchor-state group
     returns = _returns_from_layout(step_rewards, cell, num_traj, num_steps, gamma)
     a_idx, num_anchors = anchor_state_index(group_ids, state_ids)
-    a_step = _group_normalize(returns, a_idx, num_anchors, norm=norm, eps=eps, unbiased=unbiased_std)
+    a_step = group_normalize(returns, a_idx, num_anchors, scale=norm == "std", unbiased=unbiased_std, eps=eps)
     return a_episode + step_weight * a_step
 
 
@@ -425,7 +400,9 @@ def starpo_advantages(
     if traj_returns.shape[0] == 0:
         return traj_returns.clone()
     g_idx, num_groups = group_index(group_ids)
-    adv = _group_normalize(traj_returns, g_idx, num_groups, norm=norm, eps=eps, unbiased=unbiased_std)
+    adv = group_normalize(
+        traj_returns, g_idx, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
+    )
     if norm == "std" and min_std > 0:
         std = segment_std(traj_returns, g_idx, num_groups, unbiased=unbiased_std)
         adv = torch.where((std <= min_std)[g_idx], torch.zeros((), dtype=adv.dtype, device=adv.device), adv)

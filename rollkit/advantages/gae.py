@@ -30,14 +30,17 @@ from rollkit import keys as K
 from rollkit.ops import group_index, masked_whiten, segment_mean
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
-    check_finite,
+    check_discount,
+    check_finite_float,
+    check_finite_under_mask,
     check_float,
     check_group_ids,
-    check_in_range,
+    check_int,
     check_mask,
     check_ndim,
     check_positive,
     check_same_shape,
+    check_scalar,
     check_shape,
     value_checks_enabled,
 )
@@ -64,11 +67,6 @@ def _check_token_tensor(name: str, x: Tensor, mask: Tensor) -> None:
     check_same_shape(name, x, "mask", mask)
 
 
-def _check_finite_under_mask(name: str, x: Tensor, mask: Tensor) -> None:
-    if value_checks_enabled():
-        check_finite(name, torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)))
-
-
 def _check_output_finite(out: Tensor, inputs: list[tuple[str, Tensor]], mask: Tensor) -> None:
     """Value check after the fact, for speed: one reduction of the output; only when it is not
     finite are the inputs checked under the mask, raising ``ValueError`` naming the bad one.
@@ -76,19 +74,11 @@ def _check_output_finite(out: Tensor, inputs: list[tuple[str, Tensor]], mask: Te
     if not value_checks_enabled() or bool(torch.isfinite(out.sum())):
         return
     for name, x in inputs:
-        _check_finite_under_mask(name, x, mask)
-
-
-def _check_discount(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name}: expected a float in [0, 1], got {type(value).__name__}")
-    check_in_range(name, float(value), 0.0, 1.0)
+        check_finite_under_mask(name, x, mask)
 
 
 def _check_chunk_size(chunk_size: int) -> None:
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool):
-        raise ValueError(f"chunk_size: expected an int, got {type(chunk_size).__name__}")
-    if chunk_size < 2:
+    if check_int("chunk_size", chunk_size) < 2:
         raise ValueError(f"chunk_size: must be >= 2, got {chunk_size}")
 
 
@@ -201,25 +191,33 @@ def _dense_reverse_scan(z: Tensor, discount: float, chunk_size: int) -> Tensor:
     return local.reshape(B, n_chunks * C)[:, :L]
 
 
+def _masked_reverse_scan(name: str, x: Tensor, mask: Tensor, discount: float, chunk_size: int) -> Tensor:
+    """The reverse discounted scan of ``x`` (argument ``name``, already checked against ``mask``)
+    over the valid tokens: compact, scan, expand, check the output, cast back to ``x.dtype``."""
+    _check_chunk_size(chunk_size)
+    lay = _layout(mask)
+    z = _compact(x.to(_work_dtype(x)), lay)
+    y = _expand(_dense_reverse_scan(z, discount, chunk_size), lay)
+    _check_output_finite(y, [(name, x)], mask)
+    return y.to(x.dtype)
+
+
 def _check_seq_inputs(
     rewards: Tensor, mask: Tensor, kl: Tensor | None, kl_coef: float, gamma: float, eps: float
 ) -> None:
     check_ndim("mask", mask, 2)
     check_mask("mask", mask)
     check_shape("rewards", rewards, [mask.shape[0]])
-    check_float("rewards", rewards)
-    check_finite("rewards", rewards)
-    if not isinstance(kl_coef, (int, float)) or isinstance(kl_coef, bool):
-        raise ValueError(f"kl_coef: expected a float, got {type(kl_coef).__name__}")
-    check_positive("kl_coef", kl_coef, allow_zero=True)
+    check_finite_float("rewards", rewards)
+    check_positive("kl_coef", check_scalar("kl_coef", kl_coef), allow_zero=True)
     if kl is not None:
         check_shape("kl", kl, list(mask.shape))
         _check_token_tensor("kl", kl, mask)
         if kl_coef > 0:
-            _check_finite_under_mask("kl", kl, mask)
+            check_finite_under_mask("kl", kl, mask)
     elif kl_coef > 0:
         raise ValueError("kl: a [B, T] per-token KL estimate is required when kl_coef > 0")
-    _check_discount("gamma", gamma)
+    check_discount("gamma", gamma)
     check_positive("eps", eps, allow_zero=True)
 
 
@@ -292,15 +290,9 @@ def reverse_discounted_cumsum(
     >>> reverse_discounted_cumsum(x, mask, discount=0.5)
     tensor([[1.7500, 0.0000, 1.5000, 1.0000, 0.0000]])
     """
-    check_ndim("x", x, 2)
     _check_token_tensor("x", x, mask)
-    _check_discount("discount", discount)
-    _check_chunk_size(chunk_size)
-    lay = _layout(mask)
-    z = _compact(x.to(_work_dtype(x)), lay)
-    y = _expand(_dense_reverse_scan(z, float(discount), chunk_size), lay)
-    _check_output_finite(y, [("x", x)], mask)
-    return y.to(x.dtype)
+    check_discount("discount", discount)
+    return _masked_reverse_scan("x", x, mask, float(discount), chunk_size)
 
 
 @ADVANTAGE_ESTIMATORS.register(
@@ -339,18 +331,18 @@ def discounted_returns(
             [2.0000, 0.0000, 0.0000]])
     """
     _check_token_tensor("token_rewards", token_rewards, mask)
-    _check_discount("gamma", gamma)
-    _check_chunk_size(chunk_size)
-    lay = _layout(mask)
-    z = _compact(token_rewards.to(_work_dtype(token_rewards)), lay)
-    y = _expand(_dense_reverse_scan(z, float(gamma), chunk_size), lay)
-    _check_output_finite(y, [("token_rewards", token_rewards)], mask)
-    return y.to(token_rewards.dtype)
+    check_discount("gamma", gamma)
+    return _masked_reverse_scan("token_rewards", token_rewards, mask, float(gamma), chunk_size)
 
 
 @ADVANTAGE_ESTIMATORS.register(
     "gae",
-    in_keys={"token_rewards": K.TOKEN_REWARDS, "values": K.VALUES, "mask": K.RESPONSE_MASK},
+    in_keys={
+        "token_rewards": K.TOKEN_REWARDS,
+        "values": K.VALUES,
+        "mask": K.RESPONSE_MASK,
+        "bootstrap_value": "bootstrap_value",  # optional [B]: absent from the batch -> None
+    },
     out_keys=(K.ADVANTAGES, K.RETURNS),
 )
 def gae_advantages(
@@ -403,14 +395,13 @@ def gae_advantages(
     """
     _check_token_tensor("token_rewards", token_rewards, mask)
     _check_token_tensor("values", values, mask)
-    _check_discount("gamma", gamma)
-    _check_discount("lam", lam)
+    check_discount("gamma", gamma)
+    check_discount("lam", lam)
     _check_chunk_size(chunk_size)
     dtype = torch.promote_types(token_rewards.dtype, values.dtype)
     if bootstrap_value is not None:
         check_shape("bootstrap_value", bootstrap_value, [mask.shape[0]])
-        check_float("bootstrap_value", bootstrap_value)
-        check_finite("bootstrap_value", bootstrap_value)
+        check_finite_float("bootstrap_value", bootstrap_value)
         dtype = torch.promote_types(dtype, bootstrap_value.dtype)
     work = torch.float64 if dtype == torch.float64 else torch.float32
     lay = _layout(mask)
@@ -435,7 +426,7 @@ def gae_advantages(
 @ADVANTAGE_ESTIMATORS.register(
     "reinforce++",
     aliases=("reinforce_plus_plus",),
-    in_keys={"rewards": K.REWARDS, "mask": K.RESPONSE_MASK, "kl": "kl"},
+    in_keys={"rewards": K.REWARDS, "mask": K.RESPONSE_MASK, "kl": K.KL},
     out_keys=(K.ADVANTAGES,),
 )
 def reinforce_pp_advantages(
@@ -494,7 +485,7 @@ def reinforce_pp_advantages(
 @ADVANTAGE_ESTIMATORS.register(
     "reinforce++-baseline",
     aliases=("reinforce_plus_plus_baseline",),
-    in_keys={"rewards": K.REWARDS, "group_ids": K.GROUP_IDS, "mask": K.RESPONSE_MASK, "kl": "kl"},
+    in_keys={"rewards": K.REWARDS, "group_ids": K.GROUP_IDS, "mask": K.RESPONSE_MASK, "kl": K.KL},
     out_keys=(K.ADVANTAGES,),
 )
 def reinforce_pp_baseline_advantages(

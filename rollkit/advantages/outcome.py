@@ -18,7 +18,8 @@ Conventions shared by all estimators (see ``docs/advantages.md`` for the table):
   matters for a positive spread, and ``eps=0`` is allowed.
 * **identical rewards give exactly 0**: statistics are computed on rewards shifted by their
   group minimum (``d = r - min_g r``), so a group whose rewards are all equal has ``d = 0``
-  bit-for-bit and its advantage is exactly ``0.0``, never ``rounding / eps`` noise.
+  bit-for-bit and its advantage is exactly ``0.0``, never ``rounding / eps`` noise (the
+  group mean / std path is :func:`rollkit.ops.group_normalize`).
 * **singletons**: a group of one sample has advantage 0 for every group-baseline estimator
   (its mean is itself; leave-one-out has no other member); an unbiased (``n - 1``) std of a
   single sample is treated as 0 spread.
@@ -26,21 +27,27 @@ Conventions shared by all estimators (see ``docs/advantages.md`` for the table):
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from rollkit.keys import ADVANTAGES, GROUP_IDS, RESPONSE_LENGTH, REWARDS
-from rollkit.ops import group_index, segment_count, segment_mean, segment_sum
+from rollkit.keys import ADVANTAGES, GREEDY_REWARDS, GROUP_IDS, RESPONSE_LENGTH, REWARDS
+from rollkit.ops import (
+    group_index,
+    group_normalize,
+    segment_count,
+    segment_max,
+    segment_mean,
+    segment_min,
+    segment_sum,
+)
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
     check_choice,
     check_finite,
-    check_float,
+    check_finite_float,
     check_group_ids,
-    check_ndim,
     check_positive,
     check_same_shape,
     check_tensor,
@@ -66,22 +73,11 @@ _GROUP_KEYS = {"rewards": REWARDS, "group_ids": GROUP_IDS}
 # --------------------------------------------------------------------------- private helpers
 
 
-def _check_rewards(rewards: Tensor, name: str = "rewards") -> None:
-    check_tensor(name, rewards)
-    check_ndim(name, rewards, 1)
-    check_float(name, rewards)
-    check_finite(name, rewards)
-
-
 def _check_outcome(rewards: Tensor, group_ids: Tensor) -> None:
-    _check_rewards(rewards)
+    check_finite_float("rewards", rewards, ndim=1)
     check_group_ids("group_ids", group_ids, rewards.shape[0])
     if group_ids.device != rewards.device:
         raise ValueError(f"group_ids: on device {group_ids.device} but rewards is on {rewards.device}")
-
-
-def _check_eps(eps: float) -> None:
-    check_positive("eps", eps, allow_zero=True)
 
 
 def _take(stat: Tensor, index: Tensor) -> Tensor:
@@ -93,29 +89,23 @@ def _take(stat: Tensor, index: Tensor) -> Tensor:
     return stat.index_select(0, index)
 
 
-def _segment_extreme(x: Tensor, index: Tensor, num_segments: int, reduce: str) -> Tensor:
-    """Per-segment ``amin`` / ``amax`` of a ``[B]`` tensor (``[G]``).
-
-    Candidate for ``rollkit.ops`` (``segment_min`` / ``segment_max``).
-    """
-    fill = math.inf if reduce == "amin" else -math.inf
-    out = torch.full((num_segments,), fill, dtype=x.dtype, device=x.device)
-    return out.scatter_reduce(0, index, x, reduce=reduce, include_self=True)
-
-
 class _Groups:
-    """Group statistics of ``rewards`` computed once, on the min-shifted rewards."""
+    """Group statistics of ``rewards`` computed once, on the min-shifted rewards.
 
-    def __init__(self, rewards: Tensor, group_ids: Tensor) -> None:
-        self.index, self.num = group_index(group_ids)
-        self.rmin = _segment_extreme(rewards, self.index, self.num, "amin")
-        self.rmax = _segment_extreme(rewards, self.index, self.num, "amax")
+    For the estimators that need more than :func:`rollkit.ops.group_normalize` (a batch
+    baseline with a group std, leave-one-out baselines and stds); the same arithmetic.
+    """
+
+    def __init__(self, rewards: Tensor, index: Tensor, num: int) -> None:
+        self.index, self.num = index, num
+        self.rmin = segment_min(rewards, index, num)
+        self.rmax = segment_max(rewards, index, num)
         # d >= 0, exactly 0 for every member of a constant group
-        self.d = rewards - _take(self.rmin, self.index)
-        self.count = segment_count(self.index, self.num, rewards.dtype)  # [G]
-        self.n = _take(self.count, self.index)  # [B] size of each sample's group
-        self.centred = self.d - _take(segment_mean(self.d, self.index, self.num), self.index)  # r - mean_g
-        self.ss = segment_sum(self.centred.square(), self.index, self.num)  # [G] sum of squares
+        self.d = rewards - _take(self.rmin, index)
+        self.count = segment_count(index, num, rewards.dtype)  # [G]
+        self.n = _take(self.count, index)  # [B] size of each sample's group
+        self.centred = self.d - _take(segment_mean(self.d, index, num), index)  # r - mean_g
+        self.ss = segment_sum(self.centred.square(), index, num)  # [G] sum of squares
         self.constant = self.rmin == self.rmax  # [G]
 
     def std(self, *, unbiased: bool) -> Tensor:
@@ -212,7 +202,7 @@ def grpo_advantages(
     _check_outcome(rewards, group_ids)
     check_choice("mean_level", mean_level, ("group", "batch"))
     check_choice("std_level", std_level, ("group", "batch", None))  # type: ignore[arg-type]
-    _check_eps(eps)
+    check_positive("eps", eps, allow_zero=True)
     if leave_one_out and mean_level != "group":
         raise ValueError("leave_one_out: needs mean_level='group' (a leave-one-out baseline is per group)")
     if loo_std and not (leave_one_out and std_level == "group"):
@@ -220,16 +210,23 @@ def grpo_advantages(
     if rewards.numel() == 0:
         return rewards.clone()
 
-    grp = _Groups(rewards, group_ids)
+    index, num = group_index(group_ids)
+    if mean_level == "group" and not leave_one_out and std_level != "batch":  # GRPO, Dr.GRPO
+        return group_normalize(
+            rewards, index, num, scale=std_level == "group", unbiased=unbiased_std, eps=eps
+        )
+    if std_level == "batch" and mean_level == "group" and not leave_one_out:  # LitePPO
+        adv = group_normalize(rewards, index, num, scale=False)
+        return _scale(adv, _batch_std(rewards, unbiased=unbiased_std), eps)
+
+    grp = _Groups(rewards, index, num)
     if mean_level == "batch":
         d = rewards - rewards.min()
         adv = d - d.mean()
-    elif leave_one_out:
+    else:  # leave-one-out
         # r_i - mean_{j != i} r_j = (n d_i - sum_g d) / (n - 1); 0 for singletons
         dsum = _take(segment_sum(grp.d, grp.index, grp.num), grp.index)
         adv = torch.where(grp.n > 1, (grp.n * grp.d - dsum) / (grp.n - 1).clamp(min=1), 0.0)
-    else:
-        adv = grp.centred
 
     if std_level is None:
         return adv
@@ -319,7 +316,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
 
 
 @ADVANTAGE_ESTIMATORS.register(
-    "remax", in_keys={"rewards": REWARDS, "greedy_rewards": "greedy_rewards"}, out_keys=_OUT
+    "remax", in_keys={"rewards": REWARDS, "greedy_rewards": GREEDY_REWARDS}, out_keys=_OUT
 )
 def remax_advantages(
     rewards: Tensor,  # [B] reward of the sampled response
@@ -334,8 +331,8 @@ def remax_advantages(
     >>> remax_advantages(torch.tensor([1.0, 0.5]), torch.tensor([0.25, 0.5])).tolist()
     [0.75, 0.0]
     """
-    _check_rewards(rewards)
-    _check_rewards(greedy_rewards, "greedy_rewards")
+    check_finite_float("rewards", rewards, ndim=1)
+    check_finite_float("greedy_rewards", greedy_rewards, ndim=1)
     check_same_shape("greedy_rewards", greedy_rewards, "rewards", rewards)
     return rewards - greedy_rewards
 
@@ -372,9 +369,10 @@ def opo_advantages(
         raise ValueError(f"lengths: must be > 0, got {int((w <= 0).sum())} non-positive value(s)")
     if rewards.numel() == 0:
         return rewards.clone()
-    grp = _Groups(rewards, group_ids)
-    baseline = segment_sum(w * grp.d, grp.index, grp.num) / segment_sum(w, grp.index, grp.num)
-    return grp.d - _take(baseline, grp.index)
+    index, num = group_index(group_ids)
+    d = rewards - _take(segment_min(rewards, index, num), index)  # exactly 0 in constant groups
+    baseline = segment_sum(w * d, index, num) / segment_sum(w, index, num)
+    return d - _take(baseline, index)
 
 
 @ADVANTAGE_ESTIMATORS.register("gpg", in_keys=_GROUP_KEYS, out_keys=_OUT)
@@ -405,15 +403,14 @@ def gpg_advantages(
     [1.0, -1.0, 0.0, 0.0]
     """
     _check_outcome(rewards, group_ids)
-    _check_eps(eps)
+    check_positive("eps", eps, allow_zero=True)
     if rewards.numel() == 0:
         return rewards.clone()
-    grp = _Groups(rewards, group_ids)
-    adv = grp.centred
-    if normalize_std:
-        adv = _scale(adv, _take(grp.std(unbiased=unbiased_std), grp.index), eps)
+    index, num = group_index(group_ids)
+    adv = group_normalize(rewards, index, num, scale=normalize_std, unbiased=unbiased_std, eps=eps)
+    constant = segment_min(rewards, index, num) == segment_max(rewards, index, num)  # [G]
     num_b = rewards.shape[0]
-    num_m = grp.count[grp.constant].sum()
+    num_m = segment_count(index, num, rewards.dtype)[constant].sum()
     alpha = torch.where(num_m < num_b, num_b / (num_b - num_m).clamp(min=1), torch.ones_like(num_m))
     return adv * alpha
 
@@ -513,8 +510,8 @@ def rebn_advantages(
     >>> torch.allclose(adv, torch.tensor([-1.0, 0.0, 1.0]))
     True
     """
-    _check_rewards(rewards)
-    _check_eps(eps)
+    check_finite_float("rewards", rewards, ndim=1)
+    check_positive("eps", eps, allow_zero=True)
     if rewards.numel() == 0:
         return rewards.clone()
     d = rewards - rewards.min()
