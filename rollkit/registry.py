@@ -3,7 +3,24 @@
 A registry is a convenience over the functions, never the only way in: every registered
 object is also importable by its module path. Each entry records the standard batch keys its
 tensor arguments read (``in_keys``: argument name -> key of :mod:`rollkit.keys`) and the keys
-it writes (``out_keys``), which the TensorDict adapters of :mod:`rollkit.td` use.
+it writes (``out_keys``), which the TensorDict adapters of :mod:`rollkit.td` use. Tensor
+arguments are the positional ones, plus the keyword-only ones that ``in_keys`` maps (an
+optional tensor such as ``ppo``'s ``is_weights``: read from the batch when present, its
+default otherwise); :meth:`Entry.missing_in_keys` lists the required ones without a key.
+
+=====================  ==============================  ======================================
+``REGISTRIES`` key     registry                        entries write
+=====================  ==============================  ======================================
+``"advantage"``        :data:`ADVANTAGE_ESTIMATORS`    ``advantages`` (and ``returns``)
+``"reward"``           :data:`REWARD_TRANSFORMS`       shaped rewards
+``"filter"``           :data:`FILTERS`                 ``keep`` ([B] bool)
+``"policy_loss"``      :data:`POLICY_LOSSES`           ``loss`` ([B, T]) + metrics
+``"kl"``               :data:`KL_ESTIMATORS`           ``kl`` ([B, T] per-token estimate)
+``"aggregation"``      :data:`AGGREGATIONS`            ``loss_objective`` (scalar)
+``"regularizer"``      :data:`REGULARIZERS`            ``kl_loss`` / ``entropy_loss`` + metrics
+``"value_loss"``       :data:`VALUE_LOSSES`            ``value_loss`` ([B, T]) + metrics
+``"is_correction"``    :data:`IS_CORRECTIONS`          ``is_weights`` ([B, T]), ``is_metrics``
+=====================  ==============================  ======================================
 
     >>> from rollkit.registry import ADVANTAGE_ESTIMATORS
     >>> fn = ADVANTAGE_ESTIMATORS.get("grpo")          # doctest: +SKIP
@@ -15,6 +32,7 @@ Registries load the modules that populate them on first use, so ``import rollkit
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,23 +42,76 @@ __all__ = [
     "AGGREGATIONS",
     "Entry",
     "FILTERS",
+    "IS_CORRECTIONS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "REGISTRIES",
+    "REGULARIZERS",
     "REWARD_TRANSFORMS",
     "Registry",
+    "VALUE_LOSSES",
+    "tensor_args",
 ]
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError) as e:  # pragma: no cover - builtins without signatures
+        raise ValueError(f"fn_or_name: cannot read the signature of {_fn_name(fn)}: {e}") from None
+
+
+def tensor_args(fn: Callable[..., Any], keyed: Sequence[str] = ()) -> dict[str, bool]:
+    """The tensor arguments of a primitive: ``{name: required}``, in signature order.
+
+    By rollkit's convention tensor arguments are the positional(-or-keyword) parameters and
+    hyper-parameters are keyword-only; a keyword-only parameter named in ``keyed`` (the
+    entry's ``in_keys``, e.g. an optional ``kl`` tensor) counts as a tensor argument too.
+
+    >>> def f(logprobs, mask=None, *, kl=None, eps=0.2): ...
+    >>> tensor_args(f)
+    {'logprobs': True, 'mask': False}
+    >>> tensor_args(f, keyed=["kl"])
+    {'logprobs': True, 'mask': False, 'kl': False}
+    """
+    out: dict[str, bool] = {}
+    for p in _signature(fn).parameters.values():
+        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        if positional or (p.kind == p.KEYWORD_ONLY and p.name in keyed):
+            out[p.name] = p.default is p.empty
+    return out
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One registered primitive and how it maps onto batch keys."""
+    """One registered primitive and how it maps onto batch keys.
+
+    ``in_keys`` maps each tensor argument of ``fn`` to a batch key; ``out_keys`` names its
+    outputs in order (a :class:`~rollkit.types.LossOutput` counts as one: its ``[B, T]`` loss).
+    """
 
     name: str
     fn: Callable[..., Any]
     in_keys: Mapping[str, str] = field(default_factory=dict)
     out_keys: Sequence[str] = ()
     doc: str = ""
+
+    def tensor_args(self) -> dict[str, bool]:
+        """``{argument: required}`` for the tensor arguments of ``fn`` (see :func:`tensor_args`;
+        keyword-only arguments named in ``in_keys`` count as tensor arguments)."""
+        return tensor_args(self.fn, keyed=list(self.in_keys))
+
+    def missing_in_keys(self) -> list[str]:
+        """Required tensor arguments that ``in_keys`` gives no batch key (``[]``: complete).
+
+        >>> Entry("f", lambda rewards, group_ids: rewards, {"rewards": "rewards"}).missing_in_keys()
+        ['group_ids']
+        """
+        return [a for a, required in self.tensor_args().items() if required and a not in self.in_keys]
 
 
 class Registry:
@@ -65,6 +136,14 @@ class Registry:
         """Register ``fn`` under ``name``; usable as a decorator (``@REG.register("name")``)."""
 
         def decorator(f: Callable[..., Any]) -> Callable[..., Any]:
+            params = _signature(f).parameters
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                unknown = [a for a in (in_keys or {}) if a not in params]
+                if unknown:
+                    raise ValueError(
+                        f"in_keys: {unknown} are not parameters of {self.kind} {name!r} "
+                        f"({_fn_name(f)}); its parameters: {list(params)}"
+                    )
             for n in (name, *aliases):
                 if n in self._entries or n in self._aliases:
                     raise ValueError(f"name: {n!r} is already registered as a {self.kind}")
@@ -122,6 +201,9 @@ FILTERS = Registry("sample filter", ["rollkit.filters"])
 POLICY_LOSSES = Registry("policy loss", ["rollkit.losses"])
 KL_ESTIMATORS = Registry("KL estimator", ["rollkit.losses"])
 AGGREGATIONS = Registry("aggregation mode", ["rollkit.losses"])
+REGULARIZERS = Registry("regularizer loss", ["rollkit.losses"])
+VALUE_LOSSES = Registry("value loss", ["rollkit.losses"])
+IS_CORRECTIONS = Registry("importance-sampling correction", ["rollkit.losses"])
 
 REGISTRIES: dict[str, Registry] = {
     "advantage": ADVANTAGE_ESTIMATORS,
@@ -130,4 +212,7 @@ REGISTRIES: dict[str, Registry] = {
     "policy_loss": POLICY_LOSSES,
     "kl": KL_ESTIMATORS,
     "aggregation": AGGREGATIONS,
+    "regularizer": REGULARIZERS,
+    "value_loss": VALUE_LOSSES,
+    "is_correction": IS_CORRECTIONS,
 }

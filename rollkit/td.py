@@ -69,7 +69,6 @@ Conventions (one behaviour each):
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,7 +78,7 @@ from tensordict.nn import TensorDictModule, TensorDictModuleBase
 from torch import Tensor, nn
 
 from rollkit.ops import broadcast_to_tokens
-from rollkit.registry import REGISTRIES, Entry, Registry
+from rollkit.registry import REGISTRIES, Entry, Registry, _fn_name, _signature, tensor_args
 from rollkit.types import LossOutput
 from rollkit.validation import check_mask, check_shape
 
@@ -116,10 +115,6 @@ def _as_registry(registry: str | Registry | None) -> list[Registry]:
             raise ValueError(f"registry: unknown registry {registry!r}; known: {sorted(REGISTRIES)}")
         return [REGISTRIES[registry]]
     raise ValueError(f"registry: expected a name, a Registry or None, got {type(registry).__name__}")
-
-
-def _fn_name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def resolve(fn_or_name: str | Callable[..., Any], registry: str | Registry | None = None) -> Entry:
@@ -160,34 +155,6 @@ def resolve(fn_or_name: str | Callable[..., Any], registry: str | Registry | Non
     return Entry(_fn_name(fn_or_name), fn_or_name, {}, ())
 
 
-def _signature(fn: Callable[..., Any]) -> inspect.Signature:
-    try:
-        return inspect.signature(fn)
-    except (TypeError, ValueError) as e:  # pragma: no cover - builtins without signatures
-        raise ValueError(f"fn_or_name: cannot read the signature of {_fn_name(fn)}: {e}") from None
-
-
-def tensor_args(fn: Callable[..., Any], keyed: Sequence[str] = ()) -> dict[str, bool]:
-    """The tensor arguments of a primitive: ``{name: required}``, in signature order.
-
-    By rollkit's convention tensor arguments are the positional(-or-keyword) parameters and
-    hyper-parameters are keyword-only; a keyword-only parameter named in ``keyed`` (the
-    entry's ``in_keys``, e.g. an optional ``kl`` tensor) counts as a tensor argument too.
-
-    >>> def f(logprobs, mask=None, *, kl=None, eps=0.2): ...
-    >>> tensor_args(f)
-    {'logprobs': True, 'mask': False}
-    >>> tensor_args(f, keyed=["kl"])
-    {'logprobs': True, 'mask': False, 'kl': False}
-    """
-    out: dict[str, bool] = {}
-    for p in _signature(fn).parameters.values():
-        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        if positional or (p.kind == p.KEYWORD_ONLY and p.name in keyed):
-            out[p.name] = p.default is p.empty
-    return out
-
-
 def missing_in_keys(entry: Entry) -> list[str]:
     """Required tensor arguments of ``entry.fn`` that ``entry.in_keys`` gives no batch key.
 
@@ -197,8 +164,7 @@ def missing_in_keys(entry: Entry) -> list[str]:
     >>> missing_in_keys(Entry("f", lambda rewards, group_ids: rewards, {"rewards": "rewards"}))
     ['group_ids']
     """
-    args = tensor_args(entry.fn, keyed=list(entry.in_keys))
-    return [a for a, required in args.items() if required and a not in entry.in_keys]
+    return entry.missing_in_keys()
 
 
 def _returns_loss_output(fn: Callable[..., Any]) -> bool:

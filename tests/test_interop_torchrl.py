@@ -57,7 +57,16 @@ def test_is_a_torchrl_loss_module():
     assert isinstance(loss, LossModule)
     assert loss.out_keys == ["loss_objective"]
     # the actor's inputs, plus what the loss reads that the actor does not produce
-    assert set(loss.in_keys) == {"prev_tokens", "tokens", "old_logprobs", "advantages", "response_mask"}
+    # (+ the optional keys of "ppo" and of the aggregation, read when the batch has them)
+    assert set(loss.in_keys) == {
+        "prev_tokens",
+        "tokens",
+        "old_logprobs",
+        "advantages",
+        "response_mask",
+        "is_weights",
+        "sample_weights",
+    }
 
 
 def test_value_equals_direct_rollkit_call():
@@ -117,6 +126,28 @@ def test_set_keys_remaps_batch_keys():
     torch.testing.assert_close(loss_fn(td2)["loss_objective"], ref)
     with pytest.raises(ValueError, match="not an accepted tensordict key"):
         loss_fn.set_keys(nonsense="x")
+
+
+def test_optional_weights_are_read_from_the_batch_and_remappable():
+    actor = _actor()
+    td = _batch(actor)
+    B, T = td["advantages"].shape
+    w_is = torch.linspace(0.5, 2.0, B * T).reshape(B, T)
+    w_s = torch.tensor([1.0, 0.0, 2.0, 0.5])
+    loss_fn = rt.RollkitLossModule(actor, "ppo", aggregation="seq-mean-token-mean")
+    plain = loss_fn(td)["loss_objective"]
+    td2 = td.clone()
+    td2["iw"], td2["sw"] = w_is, w_s
+    loss_fn.set_keys(is_weights="iw", sample_weights="sw")
+    assert {"iw", "sw"} <= set(loss_fn.in_keys)
+    got = loss_fn(td2)["loss_objective"]
+    lp = actor.module(td["prev_tokens"], td["tokens"])
+    per_token = ppo_clip(lp, td["old_logprobs"], td["advantages"], td["response_mask"], is_weights=w_is).loss
+    expected = aggregate(per_token, td["response_mask"], "seq-mean-token-mean", weights=w_s)
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, plain)
+    # absent optional keys: the defaults (no IS weights, unit sample weights)
+    torch.testing.assert_close(loss_fn(td)["loss_objective"], plain)
 
 
 def test_actor_as_plain_callable_and_no_actor():
@@ -196,6 +227,7 @@ def test_every_registered_policy_loss_as_loss_module(name):
         "ref_logprobs": (lp + 0.3 * torch.randn(B, T, generator=g)).clamp(max=0),
         "advantages": torch.where(mask, torch.randn(B, 1, generator=g), 0.0),
         "response_mask": mask,
+        "is_weights": torch.rand(B, T, generator=g) * 2,  # optional (ppo)
     }
     missing = [k for k in entry.in_keys.values() if k not in batch]
     assert not missing, f"policy loss {name!r} reads {missing}; add them to this test's batch"
@@ -205,15 +237,3 @@ def test_every_registered_policy_loss_as_loss_module(name):
     direct = entry.fn(**{a: batch[k] for a, k in entry.in_keys.items()})
     torch.testing.assert_close(out["loss_objective"], aggregate(direct.loss, mask, "seq-mean-token-mean"))
     assert set(out.keys()) == {"loss_objective", *direct.metrics}
-
-
-def test_docs_examples_run():
-    """The code blocks of docs/tensordict.md run as they are (in order, one namespace)."""
-    import pathlib
-    import re
-
-    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "tensordict.md"
-    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
-    assert len(blocks) >= 4
-    torch.manual_seed(0)
-    exec(compile("\n".join(blocks), str(doc), "exec"), {"print": lambda *a, **k: None})

@@ -116,8 +116,14 @@ def test_low_precision_accumulates_in_float32():
 def test_registry_has_every_mode_bound():
     for mode in AGGREGATION_MODES:
         entry = AGGREGATIONS.entry(mode)
-        assert entry.in_keys == {"loss": "loss", "mask": "response_mask"}
+        assert entry.in_keys == {"loss": "loss", "mask": "response_mask", "weights": "sample_weights"}
+        assert tuple(entry.out_keys) == ("loss_objective",)  # never overwrites the [B, T] "loss"
+        assert entry.tensor_args() == {"loss": True, "mask": True, "weights": False}
         assert torch.allclose(entry.fn(LOSS, MASK, norm_length=5), aggregate(LOSS, MASK, mode, norm_length=5))
+        w = torch.arange(1.0, LOSS.shape[0] + 1)
+        assert torch.equal(
+            entry.fn(LOSS, MASK, w, norm_length=5), aggregate(LOSS, MASK, mode, weights=w, norm_length=5)
+        )
         assert entry.doc
 
 

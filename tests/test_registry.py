@@ -1,6 +1,6 @@
 import pytest
 
-from rollkit.registry import REGISTRIES, Registry
+from rollkit.registry import REGISTRIES, Entry, Registry, tensor_args
 
 
 def test_register_get_alias_and_metadata():
@@ -48,3 +48,42 @@ def test_global_registries_are_populated_and_documented():
             assert callable(entry.fn), name
             assert entry.doc, f"{kind} {name!r} has no docstring"
             assert entry.out_keys, f"{kind} {name!r} declares no out_keys"
+            assert not entry.missing_in_keys(), f"{kind} {name!r}: tensor arguments without in_keys"
+
+
+def test_entry_tensor_args_and_missing_in_keys():
+    def f(logprobs, mask, weights=None, *, is_weights=None, eps: float = 0.1):
+        return logprobs
+
+    e = Entry("f", f, {"logprobs": "logprobs", "is_weights": "is_weights"})
+    # positional parameters, plus the keyword-only ones that in_keys maps; eps is a hyper-parameter
+    assert e.tensor_args() == {"logprobs": True, "mask": True, "weights": False, "is_weights": False}
+    assert e.tensor_args() == tensor_args(f, keyed=["logprobs", "is_weights"])
+    assert e.missing_in_keys() == ["mask"]  # optional ones (weights) may stay unmapped
+    assert Entry("g", lambda: 0).missing_in_keys() == []
+
+
+def test_register_rejects_unknown_in_keys_but_accepts_var_keyword():
+    reg = Registry("widget")
+    with pytest.raises(ValueError, match=r"in_keys: \['y'\] are not parameters of widget 'f'"):
+        reg.register("f", lambda x: x, in_keys={"x": "rewards", "y": "values"})
+    assert "f" not in reg
+    reg.register("g", lambda **kw: kw, in_keys={"y": "values"})  # **kwargs: any name may be passed
+    assert reg.entry("g").in_keys == {"y": "values"}
+
+
+def test_loss_term_registries_are_registered_with_metadata():
+    expected = {
+        "regularizer": {"kl": ["kl_loss"], "entropy": ["entropy_loss"]},
+        "value_loss": {"clipped": ["value_loss"]},
+        "is_correction": {"importance_weights": ["is_weights", "is_metrics"]},
+        "aggregation": {"token-mean": ["loss_objective"]},
+    }
+    for kind, entries in expected.items():
+        for name, out_keys in entries.items():
+            entry = REGISTRIES[kind].entry(name)
+            assert list(entry.out_keys) == out_keys, (kind, name)
+            assert entry.missing_in_keys() == [], (kind, name)
+    assert REGISTRIES["policy_loss"].entry("ppo").in_keys["is_weights"] == "is_weights"
+    assert REGISTRIES["aggregation"].entry("seq-mean-token-sum").in_keys["weights"] == "sample_weights"
+    assert REGISTRIES["is_correction"].entry("rollout-is").in_keys["logprobs"] == "old_logprobs"

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule, TensorDictSequential
@@ -387,6 +387,32 @@ def test_property_adapter_equals_direct_call(b):
     )
 
 
+@settings(max_examples=25)
+@given(batches(), st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]))
+def test_property_is_correction_ppo_weighted_aggregation_pipeline(b, mode):
+    """importance_weights -> ppo (reads is_weights) -> aggregation (reads sample_weights), by
+    registered names, equals the direct calls; the [B, T] loss survives the aggregation."""
+    from rollkit.losses import aggregate, importance_weights, ppo_clip
+
+    n = b["rewards"].shape[0]
+    td = TensorDict(b, batch_size=[n])
+    td["sample_weights"] = b["rewards"].abs()
+    pipe = TensorDictSequential(
+        td_module("rollout-is", registry="is_correction", cap=2.0),
+        td_module("ppo", registry="policy_loss", clip_low=0.2, clip_high=0.28),
+        td_module(mode, registry="aggregation", norm_length=7),
+    )
+    out = pipe(td.copy())
+    m = b["response_mask"]
+    w, _ = importance_weights(b["old_logprobs"], b["behavior_logprobs"], m, cap=2.0)
+    per_token = ppo_clip(
+        b["logprobs"], b["old_logprobs"], b["advantages"], m, clip_low=0.2, clip_high=0.28, is_weights=w
+    )
+    assert torch.equal(out["loss"], per_token.loss)
+    expected = aggregate(per_token.loss, m, mode, weights=b["rewards"].abs(), norm_length=7)
+    assert torch.equal(out["loss_objective"], expected)
+
+
 @given(st.integers(1, 8).flatmap(lambda n: st.tuples(rewards(n), group_ids(n), masks(n, 3))))
 def test_property_apply_keep_selects_rows(args):
     r, g, m = args
@@ -446,6 +472,7 @@ def _full_batch() -> dict[str, torch.Tensor]:
         "accuracy": torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]),
         "episode_returns": torch.tensor([1.0, 1.0, 0.0, 0.0, 1.5, 1.5]),  # constant per episode
         "loss": torch.randn(B, T, generator=g) * mask,  # a per-token loss matrix, for aggregations
+        "entropy": torch.rand(B, T, generator=g) * 2,  # per-token entropy, for the entropy bonus
     }
 
 
@@ -563,3 +590,104 @@ def test_ambiguous_name_needs_its_registry():
     with pytest.raises(ValueError, match="several registries"):
         td_module("gpg")
     assert td_module("gpg", registry="advantage").out_keys == ["advantages"]
+
+
+# ------------------------------------------------------------------------------------------
+# Optional tensor arguments and the loss-term registries
+# ------------------------------------------------------------------------------------------
+
+
+def test_every_entry_metadata_is_complete():
+    """The registry itself reports incomplete metadata (Entry.missing_in_keys), and every
+    keyword-only argument an entry maps to a key is optional (a tensor with a default)."""
+    for kind, reg in REGISTRIES.items():
+        for name in reg.names():
+            entry = reg.entry(name)
+            assert entry.missing_in_keys() == missing_in_keys(entry) == [], (kind, name)
+            assert set(entry.tensor_args()) >= set(entry.in_keys), (kind, name)
+    assert REG.entry("incomplete").missing_in_keys() == ["group_ids"]
+
+
+def test_register_rejects_in_keys_that_are_not_parameters():
+    reg = Registry("test primitive")
+    with pytest.raises(ValueError, match=r"in_keys: \['x'\] are not parameters of test primitive 'f'"):
+        reg.register("f", lambda rewards: rewards, in_keys={"x": "rewards"})
+    assert "f" not in reg
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "token-sum"])
+def test_aggregation_reads_optional_sample_weights(mode):
+    from rollkit.losses import aggregate
+
+    batch = _full_batch()
+    td = TensorDict({k: batch[k] for k in ("loss", "response_mask")}, batch_size=[B])
+    m = td_module(mode, registry="aggregation")
+    assert m.in_keys == ["loss", "response_mask", "sample_weights"]
+    assert m.out_keys == ["loss_objective"]
+    out = m(td.copy())
+    assert torch.equal(out["loss"], td["loss"])  # the [B, T] loss is not overwritten
+    assert torch.equal(out["loss_objective"], aggregate(td["loss"], td["response_mask"], mode))
+    w = torch.tensor([1.0, 0.0, 2.0, 0.5, 1.0, 3.0])
+    td["sample_weights"] = w
+    got = m(td.copy())["loss_objective"]
+    assert torch.equal(got, aggregate(td["loss"], td["response_mask"], mode, weights=w))
+    assert not torch.equal(got, out["loss_objective"])
+
+
+def test_ppo_reads_optional_is_weights_written_by_is_correction():
+    from rollkit.losses import importance_weights, ppo_clip
+
+    batch = _full_batch()
+    keys = ("logprobs", "old_logprobs", "behavior_logprobs", "advantages", "response_mask")
+    td = TensorDict({k: batch[k] for k in keys}, batch_size=[B])
+    is_mod = td_module("importance_weights", registry="is_correction", cap=1.5)
+    ppo = td_module("ppo", registry="policy_loss")
+    assert is_mod.out_keys == ["is_weights", "is_metrics"] and "is_weights" in ppo.in_keys
+    without = ppo(td.copy())
+    plain = ppo_clip(td["logprobs"], td["old_logprobs"], td["advantages"], td["response_mask"])
+    assert torch.equal(without["loss"], plain.loss)
+    out = TensorDictSequential(is_mod, ppo)(td.copy())
+    w, w_metrics = importance_weights(
+        td["old_logprobs"], td["behavior_logprobs"], td["response_mask"], cap=1.5
+    )
+    assert torch.equal(out["is_weights"], w)
+    assert set(out["is_metrics"]) == set(w_metrics)
+    expected = ppo_clip(
+        td["logprobs"], td["old_logprobs"], td["advantages"], td["response_mask"], is_weights=w
+    )
+    assert torch.equal(out["loss"], expected.loss)
+    assert not torch.equal(out["loss"], plain.loss)
+
+
+def test_loss_terms_write_their_own_keys_and_compose():
+    """policy + KL + entropy + value terms in one batch: each writes its own [B, T] key, and
+    registered aggregations reduce each of them to its own scalar."""
+    from rollkit.losses import aggregate, entropy_bonus, kl_loss, value_loss
+
+    batch = _full_batch()
+    td = TensorDict({k: v for k, v in batch.items() if k != "loss"}, batch_size=[B])
+    pipe = TensorDictSequential(
+        td_module("ppo", registry="policy_loss"),
+        td_module("kl", registry="regularizer", estimator="k3", coef=0.1),
+        td_module("entropy", registry="regularizer", coef=0.01),
+        td_module("clipped", registry="value_loss", clip_range=0.2),
+        td_module("token-mean", registry="aggregation", in_keys={"loss": "kl_loss"}, out_keys=["loss_kl"]),
+    )
+    out = pipe(td.copy())
+    mask = td["response_mask"]
+    kl = kl_loss(td["logprobs"], td["ref_logprobs"], mask, estimator="k3", coef=0.1)
+    ent = entropy_bonus(td["entropy"], mask, coef=0.01)
+    val = value_loss(td["values"], td["old_values"], td["returns"], mask, clip_range=0.2)
+    assert torch.equal(out["kl_loss"], kl.loss) and set(out["kl_loss_metrics"]) == set(kl.metrics)
+    assert torch.equal(out["entropy_loss"], ent.loss)
+    assert torch.equal(out["value_loss"], val.loss)
+    assert torch.equal(out["loss_kl"], aggregate(kl.loss, mask, "token-mean"))
+    assert "loss" in out and not torch.equal(out["loss"], out["kl_loss"])
+
+
+def test_new_registries_are_listed_with_their_names():
+    assert {"regularizer", "value_loss", "is_correction"} <= set(REGISTRIES)
+    assert set(REGISTRIES["regularizer"].names()) == {"kl", "entropy"}
+    assert "kl_loss" in REGISTRIES["regularizer"] and "entropy_bonus" in REGISTRIES["regularizer"]
+    assert REGISTRIES["value_loss"].names() == ["clipped"] and "value_loss" in REGISTRIES["value_loss"]
+    assert REGISTRIES["is_correction"].names() == ["importance_weights"]

@@ -36,6 +36,25 @@ from typing import Any
 
 __all__ = ["RollkitLossModule"]  # noqa: F822 (built lazily by the module __getattr__)
 
+#: Batch keys a :class:`RollkitLossModule` reads, remappable with ``set_keys`` (each defaults to
+#: itself): the standard keys of :mod:`rollkit.keys` a policy loss or aggregation can read.
+_ACCEPTED_KEYS = (
+    "logprobs",
+    "old_logprobs",
+    "behavior_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "response_mask",
+    "values",
+    "old_values",
+    "returns",
+    "rewards",
+    "token_rewards",
+    "group_ids",
+    "sample_weights",
+    "is_weights",
+)
+
 _INSTALL_HINT = "rollkit.interop.torchrl needs torchrl: pip install 'rollkit[torchrl]'"
 
 
@@ -49,7 +68,7 @@ def _require_torchrl():
 
 @functools.lru_cache(maxsize=1)
 def _build_class() -> type:
-    from dataclasses import dataclass
+    from dataclasses import field, make_dataclass
 
     from tensordict import TensorDictBase
     from tensordict.nn import TensorDictModuleBase
@@ -91,7 +110,9 @@ def _build_class() -> type:
         Keys (``set_keys``): every standard key of :mod:`rollkit.keys` is an accepted key,
         defaulting to itself: ``logprobs``, ``old_logprobs``, ``behavior_logprobs``,
         ``ref_logprobs``, ``advantages``, ``response_mask``, ``values``, ``old_values``,
-        ``returns``, ``rewards``, ``token_rewards``, ``group_ids``.
+        ``returns``, ``rewards``, ``token_rewards``, ``group_ids``, ``sample_weights`` (optional
+        per-sample weights of a registered aggregation) and ``is_weights`` (optional IS weights
+        of ``"ppo"``). Optional keys are listed in ``in_keys`` and used when the batch has them.
 
         Differs from torchrl's ``ClipPPOLoss``/``GRPOLoss``: no entropy bonus or KL term is
         added here (compose them as further rollkit losses), the mask is rollkit's
@@ -99,20 +120,9 @@ def _build_class() -> type:
         produce log-probs of the taken tokens, not a distribution.
         """
 
-        @dataclass
-        class _AcceptedKeys:
-            logprobs: NestedKey = K.LOGPROBS
-            old_logprobs: NestedKey = K.OLD_LOGPROBS
-            behavior_logprobs: NestedKey = K.BEHAVIOR_LOGPROBS
-            ref_logprobs: NestedKey = K.REF_LOGPROBS
-            advantages: NestedKey = K.ADVANTAGES
-            response_mask: NestedKey = K.RESPONSE_MASK
-            values: NestedKey = K.VALUES
-            old_values: NestedKey = K.OLD_VALUES
-            returns: NestedKey = K.RETURNS
-            rewards: NestedKey = K.REWARDS
-            token_rewards: NestedKey = K.TOKEN_REWARDS
-            group_ids: NestedKey = K.GROUP_IDS
+        _AcceptedKeys = make_dataclass(
+            "_AcceptedKeys", [(k, NestedKey, field(default=k)) for k in _ACCEPTED_KEYS]
+        )
 
         default_keys = _AcceptedKeys
 
@@ -153,6 +163,14 @@ def _build_class() -> type:
                 return getattr(self.tensor_keys, standard)
             return standard
 
+        def _aggregation_keys(self) -> dict[str, Any]:
+            """The aggregation's batch keys, mapped through ``tensor_keys`` (a registered
+            aggregation reads ``mask`` and the optional ``weights``)."""
+            if not isinstance(self._aggregation, str):
+                return {"mask": self.tensor_keys.response_mask}
+            entry = resolve(self._aggregation, "aggregation")
+            return {a: self._key(k) for a, k in entry.in_keys.items() if k != K.LOSS}
+
         def _build(self) -> None:
             registry = POLICY_LOSSES if isinstance(self._policy_loss, str) else None
             entry = resolve(self._policy_loss, registry)
@@ -165,7 +183,7 @@ def _build_class() -> type:
                 aggregation=self._aggregation,
                 aggregation_registry=agg_registry,
                 in_keys=arg_keys,
-                aggregation_in_keys={"mask": self.tensor_keys.response_mask},
+                aggregation_in_keys=self._aggregation_keys(),
                 aggregation_kwargs=self._aggregation_kwargs,
                 loss_key="loss_objective",
                 **self._hyper,

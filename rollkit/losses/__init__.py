@@ -2,6 +2,12 @@
 
 Every loss returns a :class:`rollkit.types.LossOutput` whose ``loss`` is the ``[B, T]``
 per-token matrix; :func:`aggregate` turns it into a scalar.
+
+Registered by name (:mod:`rollkit.registry`): ``POLICY_LOSSES``, ``KL_ESTIMATORS``,
+``AGGREGATIONS`` (write ``"loss_objective"``; optional ``"sample_weights"``), ``REGULARIZERS``
+(``"kl"`` -> ``"kl_loss"``, ``"entropy"`` -> ``"entropy_loss"``), ``VALUE_LOSSES``
+(``"clipped"`` -> ``"value_loss"``) and ``IS_CORRECTIONS`` (``"importance_weights"`` ->
+``"is_weights"``, which ``"ppo"`` reads when present).
 """
 
 from rollkit.losses.aggregation import *  # noqa: F403

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rollkit.keys import LOSS, RESPONSE_MASK
+from rollkit.keys import LOSS, LOSS_OBJECTIVE, RESPONSE_MASK, SAMPLE_WEIGHTS
+from rollkit.losses._common import LOW_PRECISION, check_token_tensors, safe_div
 from rollkit.registry import AGGREGATIONS
 from rollkit.validation import (
     check_choice,
@@ -60,8 +61,6 @@ AGGREGATION_MODES: tuple[str, ...] = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _check_weights(weights: Tensor, batch: int) -> None:
@@ -89,12 +88,6 @@ def _normalizer(name: str, value: float | Tensor, like: Tensor) -> Tensor:
     if not (v >= 0 and v != float("inf")):
         raise ValueError(f"{name}: must be finite and >= 0, got {value}")
     return torch.tensor(v, dtype=like.dtype, device=like.device)
-
-
-def _safe_div(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den``, and exactly 0 (with a zero gradient) where ``den == 0``."""
-    ok = den > 0
-    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
 def aggregate(
@@ -179,9 +172,7 @@ def aggregate(
     True
     """
     check_choice("mode", mode, AGGREGATION_MODES)
-    check_float("loss", loss)
-    check_ndim("loss", loss, 2)
-    check_mask("mask", mask, loss, "loss")
+    check_token_tensors(mask, loss=loss)
     if int(dp_size) != dp_size or dp_size < 1:
         raise ValueError(f"dp_size: must be an integer >= 1, got {dp_size}")
     if norm_length is not None:
@@ -189,7 +180,7 @@ def aggregate(
             raise ValueError(f"norm_length: must be an integer, got {norm_length}")
         check_positive("norm_length", norm_length)
 
-    x = loss.float() if loss.dtype in _LOW_PRECISION else loss
+    x = loss.float() if loss.dtype in LOW_PRECISION else loss
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     x = torch.where(mask, x, zero)
     row_sum = x.sum(dim=-1)  # [B]
@@ -204,7 +195,7 @@ def aggregate(
         out = (w * row_sum).sum()
     elif mode == "token-mean":
         den = (w * row_count).sum() if num_tokens is None else _normalizer("num_tokens", num_tokens, x)
-        out = _safe_div((w * row_sum).sum(), den)
+        out = safe_div((w * row_sum).sum(), den)
     else:
         nonempty = row_count > 0
         if num_seqs is None:
@@ -212,12 +203,12 @@ def aggregate(
         else:
             den = _normalizer("num_seqs", num_seqs, x)
         if mode == "seq-mean-token-mean":
-            per_seq = _safe_div(row_sum, row_count)
+            per_seq = safe_div(row_sum, row_count)
         else:
             per_seq = row_sum
         if mode == "seq-mean-token-sum-norm":
             den = den * float(loss.shape[-1] if norm_length is None else norm_length)
-        out = _safe_div((w * per_seq).sum(), den)
+        out = safe_div((w * per_seq).sum(), den)
     return out * dp_size if dp_size != 1 else out
 
 
@@ -273,8 +264,8 @@ def _bind(mode: str):
     def fn(
         loss: Tensor,
         mask: Tensor,
-        *,
         weights: Tensor | None = None,
+        *,
         num_tokens: float | Tensor | None = None,
         num_seqs: float | Tensor | None = None,
         norm_length: int | None = None,
@@ -293,12 +284,16 @@ def _bind(mode: str):
 
     fn.__name__ = fn.__qualname__ = "aggregate_" + mode.replace("-", "_")
     fn.__doc__ = (
-        f"``aggregate(loss, mask, {mode!r}, **kwargs)``: [B, T] loss -> scalar "
+        f"``aggregate(loss, mask, {mode!r}, weights=weights, **kwargs)``: [B, T] loss -> scalar "
         "(see :func:`rollkit.losses.aggregate`)."
     )
     return fn
 
 
+# The registered wrappers take ``weights`` as an optional tensor argument (batch key
+# ``"sample_weights"``, used when present) and write the scalar to ``"loss_objective"``, so
+# that in a TensorDict pipeline the [B, T] ``"loss"`` they read is not overwritten.
+_IN_KEYS = {"loss": LOSS, "mask": RESPONSE_MASK, "weights": SAMPLE_WEIGHTS}
 for _mode in AGGREGATION_MODES:
-    AGGREGATIONS.register(_mode, _bind(_mode), in_keys={"loss": LOSS, "mask": RESPONSE_MASK}, out_keys=[LOSS])
+    AGGREGATIONS.register(_mode, _bind(_mode), in_keys=_IN_KEYS, out_keys=[LOSS_OBJECTIVE])
 del _mode

@@ -6,25 +6,28 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rollkit.ops import masked_mean
-from rollkit.types import LossOutput
-from rollkit.validation import (
-    check_float,
-    check_mask,
-    check_ndim,
-    check_positive,
+from rollkit.keys import RESPONSE_MASK
+from rollkit.losses._common import (
+    ENTROPY,
+    ENTROPY_LOSS,
+    LOW_PRECISION,
+    check_token_tensors,
+    masked_stat,
+    zero_outside,
 )
+from rollkit.registry import REGULARIZERS
+from rollkit.types import LossOutput
+from rollkit.validation import check_float, check_ndim, check_positive
 
 __all__ = ["entropy_bonus", "entropy_from_logits", "entropy_from_logits_chunked"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Shifted logits below this are treated as probability 0 (exp(-1e4) == 0 in fp32 and fp64);
 # it also turns -inf logits into finite numbers so that 0 * (-inf) never makes a NaN.
 _MIN_SHIFTED = -1.0e4
 
 
 def _entropy_rows(logits: Tensor) -> Tensor:
-    z = logits.float() if logits.dtype in _LOW_PRECISION else logits
+    z = logits.float() if logits.dtype in LOW_PRECISION else logits
     m = z.detach().amax(dim=-1, keepdim=True)
     finite_max = torch.isfinite(m)
     m = torch.where(finite_max, m, torch.zeros_like(m))
@@ -115,6 +118,12 @@ def entropy_from_logits_chunked(
     return torch.cat(parts).reshape(lead)
 
 
+@REGULARIZERS.register(
+    "entropy",
+    aliases=("entropy_bonus", "entropy-bonus"),
+    in_keys={"entropy": ENTROPY, "mask": RESPONSE_MASK},
+    out_keys=[ENTROPY_LOSS],
+)
 def entropy_bonus(
     entropy: Tensor,  # [B, T] per-token entropy (with grad)
     mask: Tensor,  # [B, T] bool
@@ -131,6 +140,8 @@ def entropy_bonus(
     :func:`rollkit.losses.aggregate` like the policy loss.
 
     Metrics: ``"entropy"``, the token-mean entropy over the mask (0 for an empty mask).
+    Registered in ``rollkit.registry.REGULARIZERS`` as ``"entropy"``: reads the ``"entropy"``
+    key (``[B, T]``, e.g. written by ``entropy_from_logits``) and writes ``"entropy_loss"``.
 
     >>> out = entropy_bonus(torch.tensor([[1.0, 2.0]]), torch.tensor([[True, False]]), coef=0.1)
     >>> out.loss
@@ -138,10 +149,7 @@ def entropy_bonus(
     >>> out.metrics["entropy"]
     tensor(1.)
     """
-    check_float("entropy", entropy)
-    check_ndim("entropy", entropy, 2)
-    check_mask("mask", mask, entropy, "entropy")
+    check_token_tensors(mask, entropy=entropy)
     check_positive("coef", coef, allow_zero=True)
-    zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
-    loss = torch.where(mask, -coef * entropy, zero)
-    return LossOutput(loss, {"entropy": masked_mean(entropy.detach(), mask, empty_value=0.0)})
+    loss = zero_outside(-coef * entropy, mask)
+    return LossOutput(loss, {"entropy": masked_stat(entropy, mask)})

@@ -24,19 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rollkit.keys import LOGPROBS, REF_LOGPROBS
+from rollkit.keys import LOGPROBS, REF_LOGPROBS, RESPONSE_MASK
+from rollkit.losses._common import KL_LOSS, check_token_tensors, masked_stat, zero_outside
 from rollkit.ops import masked_mean
-from rollkit.registry import KL_ESTIMATORS
+from rollkit.registry import KL_ESTIMATORS, REGULARIZERS
 from rollkit.types import LossOutput
-from rollkit.validation import (
-    check_choice,
-    check_finite,
-    check_float,
-    check_mask,
-    check_ndim,
-    check_positive,
-    check_same_shape,
-)
+from rollkit.validation import check_choice, check_finite, check_float, check_positive, check_same_shape
 
 __all__ = [
     "AdaptiveKLController",
@@ -225,23 +218,27 @@ def kl_estimate(
 
 
 def _check_token_inputs(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> None:
-    check_float("logprobs", logprobs)
-    check_ndim("logprobs", logprobs, 2)
-    check_same_shape("ref_logprobs", ref_logprobs, "logprobs", logprobs)
-    check_float("ref_logprobs", ref_logprobs)
-    check_mask("mask", mask, logprobs, "logprobs")
+    check_token_tensors(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
 
 
-def _masked_pair(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Zero both inputs outside the mask, so that padding (even NaN / inf) never reaches a gradient."""
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    return torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs, zero)
+def _masked_kl(
+    logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, coef: float, estimator: str, clamp: float | None
+) -> Tensor:
+    """Validated per-token estimate (not yet times ``coef``) on inputs zeroed outside the mask,
+    so that padding (even NaN / inf) never reaches a value or a gradient."""
+    _check_token_inputs(logprobs, ref_logprobs, mask)
+    check_positive("coef", coef, allow_zero=True)
+    return kl_estimate(
+        zero_outside(logprobs, mask), zero_outside(ref_logprobs, mask), estimator=estimator, clamp=clamp
+    )
 
 
-def _masked_stat(x: Tensor, mask: Tensor) -> Tensor:
-    return masked_mean(x.detach(), mask, empty_value=0.0)
-
-
+@REGULARIZERS.register(
+    "kl",
+    aliases=("kl_loss", "kl-loss"),
+    in_keys={"logprobs": LOGPROBS, "ref_logprobs": REF_LOGPROBS, "mask": RESPONSE_MASK},
+    out_keys=[KL_LOSS],
+)
 def kl_loss(
     logprobs: Tensor,  # [B, T], carries the gradient
     ref_logprobs: Tensor,  # [B, T]
@@ -260,6 +257,8 @@ def kl_loss(
     prefer ``"k3+"`` / ``"k2"`` (see the module docstring). Aggregate with
     :func:`rollkit.losses.aggregate` like any other loss and add it to the policy loss.
 
+    Registered in ``rollkit.registry.REGULARIZERS`` as ``"kl"`` (writes ``"kl_loss"``).
+
     Returns ``LossOutput(loss [B, T] (0 where mask is False), metrics)`` with metrics
     ``"kl"`` (token-mean of the estimate over the mask, before ``coef``) and ``"kl_coef"``.
     A fully masked batch gives a zero loss and ``kl = 0``.
@@ -271,13 +270,10 @@ def kl_loss(
     >>> out.metrics["kl"]
     tensor(0.)
     """
-    _check_token_inputs(logprobs, ref_logprobs, mask)
-    check_positive("coef", coef, allow_zero=True)
-    k = kl_estimate(*_masked_pair(logprobs, ref_logprobs, mask), estimator=estimator, clamp=clamp)
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    loss = torch.where(mask, coef * k, zero)
+    k = _masked_kl(logprobs, ref_logprobs, mask, coef=coef, estimator=estimator, clamp=clamp)
+    loss = zero_outside(coef * k, mask)
     metrics = {
-        "kl": _masked_stat(k, mask),
+        "kl": masked_stat(k, mask),
         "kl_coef": torch.tensor(float(coef), dtype=k.dtype, device=k.device),
     }
     return LossOutput(loss, metrics)
@@ -302,10 +298,8 @@ def kl_penalty(
     >>> kl_penalty(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, 0.0]]), torch.tensor([[True, False]]), coef=0.1)
     tensor([[0.1000, 0.0000]])
     """
-    _check_token_inputs(logprobs, ref_logprobs, mask)
-    check_positive("coef", coef, allow_zero=True)
-    k = kl_estimate(*_masked_pair(logprobs, ref_logprobs, mask), estimator=estimator, clamp=clamp)
-    return torch.where(mask, coef * k, torch.zeros((), dtype=k.dtype, device=k.device))
+    k = _masked_kl(logprobs, ref_logprobs, mask, coef=coef, estimator=estimator, clamp=clamp)
+    return zero_outside(coef * k, mask)
 
 
 def _last_token_index(mask: Tensor) -> Tensor:

@@ -40,17 +40,17 @@ import torch
 from torch import Tensor
 
 from rollkit.keys import ADVANTAGES, BEHAVIOR_LOGPROBS, LOGPROBS, LOSS, OLD_LOGPROBS, RESPONSE_MASK
-from rollkit.registry import POLICY_LOSSES
-from rollkit.types import LossOutput
-from rollkit.validation import (
-    check_choice,
-    check_float,
-    check_in_range,
-    check_mask,
-    check_ndim,
-    check_positive,
-    check_same_shape,
+from rollkit.losses._common import (
+    IS_METRICS,
+    IS_WEIGHTS,
+    check_seq_or_token,
+    check_token_tensors,
+    compute_dtype,
+    zero_outside,
 )
+from rollkit.registry import IS_CORRECTIONS, POLICY_LOSSES
+from rollkit.types import LossOutput
+from rollkit.validation import check_choice, check_float, check_in_range, check_positive, check_same_shape
 
 __all__ = [
     "cispo",
@@ -75,21 +75,11 @@ _IN_KEYS = {
     "mask": RESPONSE_MASK,
 }
 _IN_KEYS_OFF = {**_IN_KEYS, "behavior_logprobs": BEHAVIOR_LOGPROBS}
+# ppo_clip's optional keyword tensor: read from the batch when the key is present
+_IN_KEYS_PPO = {**_IN_KEYS, "is_weights": IS_WEIGHTS}
 _OUT_KEYS = (LOSS,)
 
 # --------------------------------------------------------------------------- private helpers
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def _check_logprobs(name: str, x: Tensor, ref: Tensor | None = None) -> None:
-    check_float(name, x)
-    if ref is None:
-        check_ndim(name, x, 2)
-    else:
-        check_same_shape(name, x, "logprobs", ref)
 
 
 def _check_inputs(
@@ -99,21 +89,10 @@ def _check_inputs(
     mask: Tensor,
     behavior_logprobs: Tensor | None = None,
 ) -> None:
-    _check_logprobs("logprobs", logprobs)
-    _check_logprobs("old_logprobs", old_logprobs, logprobs)
-    if behavior_logprobs is not None:
-        _check_logprobs("behavior_logprobs", behavior_logprobs, logprobs)
-    check_mask("mask", mask, logprobs, "logprobs")
+    extra = {} if behavior_logprobs is None else {"behavior_logprobs": behavior_logprobs}
+    check_token_tensors(mask, logprobs=logprobs, old_logprobs=old_logprobs, **extra)
     check_float("advantages", advantages)
-    if advantages.ndim == 1:
-        if advantages.shape[0] != logprobs.shape[0]:
-            raise ValueError(
-                f"advantages: has {advantages.shape[0]} entries but logprobs has {logprobs.shape[0]} rows"
-            )
-    elif advantages.shape != logprobs.shape:
-        raise ValueError(
-            f"advantages: shape {list(advantages.shape)} is neither [B] nor logprobs' {list(logprobs.shape)}"
-        )
+    check_seq_or_token("advantages", advantages, "logprobs", logprobs)
 
 
 def _check_clip(clip_low: float, clip_high: float) -> None:
@@ -149,8 +128,19 @@ def _log_ratio(lp: Tensor, base: Tensor, mask: Tensor, log_ratio_clamp: float | 
     return lr
 
 
-def _zero_outside(x: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+def _token_log_ratio(
+    logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, log_ratio_clamp: float | None
+) -> tuple[torch.dtype, Tensor]:
+    """Check ``log_ratio_clamp``; return the compute dtype and the clamped log-ratio of
+    ``logprobs`` to (detached) ``old_logprobs``, 0 outside the mask."""
+    _check_clamp(log_ratio_clamp)
+    dtype = compute_dtype(logprobs)
+    return dtype, _log_ratio(logprobs.to(dtype), old_logprobs.to(dtype), mask, log_ratio_clamp)
+
+
+def _clip_fracs(f_low: Tensor, f_high: Tensor) -> dict[str, Tensor]:
+    """``clip_frac`` (= low + high), ``clip_frac_low`` and ``clip_frac_high`` metrics."""
+    return {"clip_frac": f_low + f_high, "clip_frac_low": f_low, "clip_frac_high": f_high}
 
 
 def _frac(flags: Tensor, count: Tensor) -> Tensor:
@@ -229,7 +219,7 @@ def _clip_metrics(
     """Fractions of valid tokens where the clip (or the dual clip) zeroes the gradient."""
     low, high = _count_by_sign(clipped, adv)
     f_low, f_high = low.to(count.dtype) / count, high.to(count.dtype) / count
-    out = {"clip_frac": f_low + f_high, "clip_frac_low": f_low, "clip_frac_high": f_high}
+    out = _clip_fracs(f_low, f_high)
     if dual is not None:
         out["dual_clip_frac"] = _frac(dual, count)
     return out
@@ -273,6 +263,10 @@ def importance_weights(
     Weights are computed in log space (a bound is applied to ``log w`` before ``exp``), so they
     never overflow. Outside ``mask`` the weight is ``0``. Empty rows get no weight at all.
 
+    Registered in ``rollkit.registry.IS_CORRECTIONS`` as ``"importance_weights"`` (alias
+    ``"rollout-is"``), reading ``logprobs`` from the ``"old_logprobs"`` key and writing
+    ``"is_weights"`` (which ``ppo``'s entry reads) and ``"is_metrics"``.
+
     Args:
         logprobs: ``[B, T]`` target-policy log-probs (typically ``old_logprobs``).
         behavior_logprobs: ``[B, T]`` log-probs reported by the rollout engine.
@@ -296,9 +290,7 @@ def importance_weights(
     >>> torch.allclose(w, torch.ones(1, 3))
     True
     """
-    _check_logprobs("logprobs", logprobs)
-    _check_logprobs("behavior_logprobs", behavior_logprobs, logprobs)
-    check_mask("mask", mask, logprobs, "logprobs")
+    check_token_tensors(mask, logprobs=logprobs, behavior_logprobs=behavior_logprobs)
     check_choice("level", level, ("token", "sequence", "geometric"))
     check_choice("mode", mode, ("truncate", "mask"))
     if cap is not None:
@@ -307,7 +299,7 @@ def importance_weights(
         check_positive("lower", lower, allow_zero=True)
         if cap is not None and lower > cap:
             raise ValueError(f"lower: must be <= cap ({cap}), got {lower}")
-    dtype = _compute_dtype(logprobs)
+    dtype = compute_dtype(logprobs)
     logw = _log_ratio(logprobs.to(dtype), behavior_logprobs.to(dtype), mask, None)
     if level != "token":
         total = logw.sum(-1, keepdim=True)
@@ -319,7 +311,7 @@ def importance_weights(
     count, _ = _counts(mask, dtype)
     if mode == "truncate":
         clamped = logw.clamp(log_lo, log_hi) if (log_lo is not None or log_hi is not None) else logw
-        w = _zero_outside(clamped.exp(), mask)
+        w = zero_outside(clamped.exp(), mask)
         changed = mask & (clamped != logw)
         metrics = {"truncated_frac": _frac(changed, count)}
     else:
@@ -329,16 +321,26 @@ def importance_weights(
         if log_lo is not None:
             keep = keep & (logw >= log_lo)
         safe = logw.clamp(max=log_hi) if log_hi is not None else logw
-        w = _zero_outside(safe.exp(), keep)
+        w = zero_outside(safe.exp(), keep)
         metrics = {"masked_frac": _frac(mask & ~keep, count)}
     metrics["is_weight_mean"] = w.sum() / count
     return w, metrics
 
 
+# ``logprobs`` is the policy the weights correct *towards*: the trainer's old_logprobs.
+IS_CORRECTIONS.register(
+    "importance_weights",
+    importance_weights,
+    aliases=("rollout-is", "rollout_is"),
+    in_keys={"logprobs": OLD_LOGPROBS, "behavior_logprobs": BEHAVIOR_LOGPROBS, "mask": RESPONSE_MASK},
+    out_keys=[IS_WEIGHTS, IS_METRICS],
+)
+
+
 # --------------------------------------------------------------------------- PPO
 
 
-@POLICY_LOSSES.register("ppo", aliases=("ppo-clip", "grpo"), in_keys=_IN_KEYS, out_keys=_OUT_KEYS)
+@POLICY_LOSSES.register("ppo", aliases=("ppo-clip", "grpo"), in_keys=_IN_KEYS_PPO, out_keys=_OUT_KEYS)
 def ppo_clip(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -378,6 +380,9 @@ def ppo_clip(
         clip_low: in ``[0, 1]``. clip_high: ``>= 0``. dual_clip: ``> 1`` or ``None``.
         log_ratio_clamp: upper clamp of the log-ratio before ``exp`` (verl: 20), ``None``: none.
         is_weights: optional ``[B, T]`` weights (detached), e.g. from :func:`importance_weights`.
+            Registered under the batch key ``"is_weights"``: a TensorDict pipeline reads it
+            when the batch has it (the ``IS_CORRECTIONS`` entry ``"importance_weights"``
+            writes it) and uses ``None`` otherwise.
 
     Returns:
         ``LossOutput(loss [B, T], metrics)``; metrics: ``clip_frac``, ``clip_frac_low``,
@@ -395,20 +400,18 @@ def ppo_clip(
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     _check_clip(clip_low, clip_high)
-    _check_clamp(log_ratio_clamp)
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip: must be > 1 (or None), got {dual_clip}")
-    dtype = _compute_dtype(logprobs)
     if is_weights is not None:
         check_float("is_weights", is_weights)
         check_same_shape("is_weights", is_weights, "logprobs", logprobs)
-    lr = _log_ratio(logprobs.to(dtype), old_logprobs.to(dtype), mask, log_ratio_clamp)
+    dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     ratio = lr.exp()
     adv = _token_adv(advantages, dtype)
     loss, clipped, dual = _clipped_loss(ratio, adv, clip_low, clip_high, dual_clip)
     if is_weights is not None:
         loss = loss * is_weights.detach().to(dtype)
-    loss = _zero_outside(loss, mask)
+    loss = zero_outside(loss, mask)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         metrics = _clip_metrics(clipped, adv, count, dual)
@@ -469,22 +472,20 @@ def gspo(
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     _check_clip(clip_low, clip_high)
-    _check_clamp(log_ratio_clamp)
-    dtype = _compute_dtype(logprobs)
+    dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     lengths = mask.sum(-1).to(dtype)
-    lr = _log_ratio(logprobs.to(dtype), old_logprobs.to(dtype), mask, log_ratio_clamp)
     seq_lr = _seq_log_ratio(lr, lengths)
     s = seq_lr.exp()
     adv = _seq_adv(advantages, mask, lengths, dtype)
     seq_loss, clipped, _ = _clipped_loss(s, adv, clip_low, clip_high, None)
-    loss = _zero_outside(seq_loss.unsqueeze(-1).expand_as(lr), mask)
+    loss = zero_outside(seq_loss.unsqueeze(-1).expand_as(lr), mask)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         # a clipped sequence drops all of its tokens: count them
         dropped = clipped * lengths
         f_low = (dropped * (adv < 0)).sum() / count
         f_high = (dropped * (adv > 0)).sum() / count
-        metrics = {"clip_frac": f_low + f_high, "clip_frac_low": f_low, "clip_frac_high": f_high}
+        metrics = _clip_fracs(f_low, f_high)
         metrics.update(_seq_metrics(lr, s, mask, lengths, n))
     return LossOutput(loss, metrics)
 
@@ -537,7 +538,7 @@ def gspo_token(
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     _check_clip(clip_low, clip_high)
     _check_clamp(log_ratio_clamp)
-    dtype = _compute_dtype(logprobs)
+    dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
     lengths = mask.sum(-1).to(dtype)
     lr = _log_ratio(lp, old_logprobs.to(dtype), mask, log_ratio_clamp)
@@ -548,7 +549,7 @@ def gspo_token(
     s_tok = s.unsqueeze(-1) * (1.0 + (lp - lp.detach()))
     adv = _token_adv(advantages, dtype)
     loss, clipped, _ = _clipped_loss(s_tok, adv, clip_low, clip_high, None)
-    loss = _zero_outside(loss, mask)
+    loss = zero_outside(loss, mask)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         metrics = _clip_metrics(clipped & mask, adv, count)
@@ -598,16 +599,14 @@ def gmpo(
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     check_positive("clip_low", clip_low, allow_zero=True)
     check_positive("clip_high", clip_high, allow_zero=True)
-    _check_clamp(log_ratio_clamp)
-    dtype = _compute_dtype(logprobs)
+    dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     lengths = mask.sum(-1).to(dtype)
-    lr = _log_ratio(logprobs.to(dtype), old_logprobs.to(dtype), mask, log_ratio_clamp)
     adv = _seq_adv(advantages, mask, lengths, dtype)
     sgn = torch.sign(adv).unsqueeze(-1)
     signed, signed_clipped = sgn * lr, sgn * lr.clamp(-clip_low, clip_high)
     g = sgn * torch.minimum(signed, signed_clipped)
     rho = _seq_log_ratio(g, lengths).exp()
-    loss = _zero_outside((-adv * rho).unsqueeze(-1).expand_as(lr), mask)
+    loss = zero_outside((-adv * rho).unsqueeze(-1).expand_as(lr), mask)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         # the clipped branch is strictly smaller: the token passes no gradient (False outside the mask)
@@ -621,7 +620,7 @@ def gmpo(
 
 def _weighted_pg(lp: Tensor, weight: Tensor, mask: Tensor) -> Tensor:
     """``where(mask, -weight * log pi, 0)`` with ``weight`` a constant (includes A)."""
-    return _zero_outside(-weight * lp, mask)
+    return zero_outside(-weight * lp, mask)
 
 
 @POLICY_LOSSES.register("cispo", in_keys=_IN_KEYS, out_keys=_OUT_KEYS)
@@ -662,7 +661,7 @@ def cispo(
         check_in_range("clip_low", clip_low, 0.0, 1.0)
     check_positive("clip_high", clip_high, allow_zero=True)
     _check_clamp(log_ratio_clamp)
-    dtype = _compute_dtype(logprobs)
+    dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
     lr = _log_ratio(lp, old_logprobs.to(dtype), mask, log_ratio_clamp).detach()
     ratio = lr.exp()
@@ -675,7 +674,7 @@ def cispo(
         # ratio == 1 outside the mask, so these flags need no "& mask"
         f_high = _frac(ratio > 1.0 + clip_high, count)
         f_low = _frac(ratio < lo, count) if lo is not None else torch.zeros_like(f_high)
-        metrics = {"clip_frac": f_low + f_high, "clip_frac_low": f_low, "clip_frac_high": f_high}
+        metrics = _clip_fracs(f_low, f_high)
         metrics.update(_ratio_metrics(lr, ratio, mask, n))
     return LossOutput(loss, metrics)
 
@@ -731,7 +730,7 @@ def topr(
     check_positive("positive_weight", positive_weight, allow_zero=True)
     check_positive("negative_weight", negative_weight, allow_zero=True)
     check_choice("level", level, ("sequence", "token"))
-    dtype = _compute_dtype(logprobs)
+    dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
     lr = _log_ratio(lp, old_logprobs.to(dtype), mask, None).detach()
     adv = _token_adv(advantages, dtype)
@@ -808,15 +807,13 @@ def tis(
     True
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask, behavior_logprobs)
-    _check_clamp(log_ratio_clamp)
     w, w_metrics = importance_weights(
         old_logprobs, behavior_logprobs, mask, level=level, mode=mode, cap=cap, lower=lower
     )
-    dtype = _compute_dtype(logprobs)
-    lr = _log_ratio(logprobs.to(dtype), old_logprobs.to(dtype), mask, log_ratio_clamp)
+    dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     adv = _token_adv(advantages, dtype)
     ratio = lr.exp()
-    loss = _zero_outside(-(w * adv) * ratio, mask)
+    loss = zero_outside(-(w * adv) * ratio, mask)
     with torch.no_grad():
         _, n = _counts(mask, dtype)
         metrics = dict(w_metrics)
@@ -928,13 +925,11 @@ def raft_pp(
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     _check_clip(clip_low, clip_high)
-    _check_clamp(log_ratio_clamp)
-    dtype = _compute_dtype(logprobs)
-    lr = _log_ratio(logprobs.to(dtype), old_logprobs.to(dtype), mask, log_ratio_clamp)
+    dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     ratio = lr.exp()
     acc = mask & (_token_adv(advantages, dtype) > threshold)
     surr = -torch.minimum(ratio, ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
-    loss = _zero_outside(surr, acc)
+    loss = zero_outside(surr, acc)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         metrics = {
@@ -970,7 +965,7 @@ def vanilla_pg(
     tensor([[2., 0.]], grad_fn=<WhereBackward0>)
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask)
-    dtype = _compute_dtype(logprobs)
+    dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
     loss = _weighted_pg(lp, _token_adv(advantages, dtype), mask)
     return LossOutput(loss, {})
@@ -1005,7 +1000,7 @@ def gpg(
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     check_positive("alpha", alpha)
-    dtype = _compute_dtype(logprobs)
+    dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
     loss = _weighted_pg(lp, alpha * _token_adv(advantages, dtype), mask)
     return LossOutput(loss, {})
@@ -1048,14 +1043,12 @@ def sapo(
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     check_positive("tau_pos", tau_pos)
     check_positive("tau_neg", tau_neg)
-    _check_clamp(log_ratio_clamp)
-    dtype = _compute_dtype(logprobs)
-    lr = _log_ratio(logprobs.to(dtype), old_logprobs.to(dtype), mask, log_ratio_clamp)
+    dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     ratio = lr.exp()
     adv = _token_adv(advantages, dtype)
     tau = torch.where(adv > 0, tau_pos, tau_neg).to(dtype)
     sig = torch.sigmoid(tau * (ratio - 1.0))
-    loss = _zero_outside((-4.0 * adv / tau) * sig, mask)
+    loss = zero_outside((-4.0 * adv / tau) * sig, mask)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         # the gate is exactly 1 outside the mask (r = 1): subtract those entries

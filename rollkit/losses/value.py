@@ -5,19 +5,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollkit.ops import masked_mean
+from rollkit.keys import OLD_VALUES, RESPONSE_MASK, RETURNS, VALUES
+from rollkit.losses._common import VALUE_LOSS, check_token_tensors, masked_stat, zero_outside
+from rollkit.registry import VALUE_LOSSES
 from rollkit.types import LossOutput
-from rollkit.validation import (
-    check_float,
-    check_mask,
-    check_ndim,
-    check_positive,
-    check_same_shape,
-)
+from rollkit.validation import check_positive
 
 __all__ = ["value_loss"]
 
 
+@VALUE_LOSSES.register(
+    "clipped",
+    aliases=("value_loss", "ppo-value"),
+    in_keys={"values": VALUES, "old_values": OLD_VALUES, "returns": RETURNS, "mask": RESPONSE_MASK},
+    out_keys=[VALUE_LOSS],
+)
 def value_loss(
     values: Tensor,  # [B, T] critic predictions, carries the gradient
     old_values: Tensor,  # [B, T] critic predictions at rollout time
@@ -44,6 +46,9 @@ def value_loss(
     extra value-loss weight is folded into ``coef``. Aggregation (token-mean, ...) is left to
     :func:`rollkit.losses.aggregate`.
 
+    Registered in ``rollkit.registry.VALUE_LOSSES`` as ``"clipped"`` (alias ``"value_loss"``;
+    ``clip_range=None`` gives the plain MSE), writing ``"value_loss"``.
+
     Returns ``LossOutput(loss [B, T] (0 where mask is False), metrics)`` with the detached
     0-dim metrics ``"vf_clipfrac"`` (fraction of valid tokens where the clipped error is
     strictly larger, i.e. the clipped branch is used), ``"vf_mse"`` (token-mean unclipped
@@ -57,22 +62,13 @@ def value_loss(
     >>> out.metrics["vf_clipfrac"]
     tensor(0.)
     """
-    check_float("values", values)
-    check_ndim("values", values, 2)
-    check_float("old_values", old_values)
-    check_same_shape("old_values", old_values, "values", values)
-    check_float("returns", returns)
-    check_same_shape("returns", returns, "values", values)
-    check_mask("mask", mask, values, "values")
+    check_token_tensors(mask, values=values, old_values=old_values, returns=returns)
     check_positive("coef", coef, allow_zero=True)
     if clip_range is not None:
         check_positive("clip_range", clip_range)
 
     # Zero the masked-out entries first, so that NaN / inf padding never reaches the gradient.
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    values = torch.where(mask, values, zero)
-    old_values = torch.where(mask, old_values, zero)
-    returns = torch.where(mask, returns, zero)
+    values, old_values, returns = (zero_outside(x, mask) for x in (values, old_values, returns))
     unclipped = (values - returns).square()
     if clip_range is None:
         per_token = unclipped
@@ -82,10 +78,10 @@ def value_loss(
         clipped = (v_clip - returns).square()
         per_token = torch.maximum(unclipped, clipped)
         clipped_used = clipped > unclipped
-    loss = torch.where(mask, coef * per_token, zero)
+    loss = zero_outside(coef * per_token, mask)
     metrics = {
-        "vf_clipfrac": masked_mean(clipped_used.to(unclipped.dtype), mask, empty_value=0.0),
-        "vf_mse": masked_mean(unclipped.detach(), mask, empty_value=0.0),
-        "values_mean": masked_mean(values.detach(), mask, empty_value=0.0),
+        "vf_clipfrac": masked_stat(clipped_used.to(unclipped.dtype), mask),
+        "vf_mse": masked_stat(unclipped, mask),
+        "values_mean": masked_stat(values, mask),
     }
     return LossOutput(loss, metrics)
