@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gae.py                      # [256, 8192] float32, prints a table
     python benchmarks/bench_gae.py --batch 64 --length 2048 --repeats 5 --device cuda
+    python benchmarks/bench_gae.py --batch 8 --length 64 --repeats 1  # smoke run (seconds)
     pytest benchmarks/bench_gae.py --benchmark-enable   # pytest-benchmark fixtures
     ROLLKIT_BENCH_THREADS=0 pytest benchmarks/bench_gae.py --benchmark-enable  # torch's default threads
 
@@ -138,7 +139,7 @@ def run(batch: int, length: int, repeats: int, device: str, sample_rows: int) ->
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--length", type=int, default=8192)
@@ -146,7 +147,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--sample-rows", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: leave torch's default)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     print(

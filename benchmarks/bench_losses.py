@@ -9,6 +9,7 @@ that touch a full ``[B, T]`` tensor, a deterministic proxy for memory traffic.
 
     python benchmarks/bench_losses.py                       # [256, 8192] float32, table
     python benchmarks/bench_losses.py --shape 64 1024 --repeats 5
+    python benchmarks/bench_losses.py --batch 8 --length 64 --repeats 1   # smoke run (seconds)
     pytest benchmarks/bench_losses.py --benchmark-enable    # under pytest-benchmark
 
 Results are printed, not asserted.
@@ -150,9 +151,12 @@ def count_passes(case: Callable, shape: tuple[int, int] = (16, 64)) -> int:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=2, default=list(SHAPE), metavar=("B", "T"))
+    p.add_argument("--batch", type=int, default=None, help="B (overrides --shape)")
+    p.add_argument("--length", type=int, default=None, help="T (overrides --shape)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
+    args.shape = [args.batch or args.shape[0], args.length or args.shape[1]]
     if args.threads:
         torch.set_num_threads(args.threads)
     x = make_inputs(tuple(args.shape))

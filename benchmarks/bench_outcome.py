@@ -4,7 +4,8 @@
 advantage and the ``[B, T]`` broadcast over tokens, rollkit and baseline interleaved in one
 run (median of the repeats), and prints time per call, GB/s and the speedup.
 
-    python benchmarks/bench_outcome.py [--batch 8192] [--group 8] [--tokens 4096] [--repeats 20]
+    python benchmarks/bench_outcome.py [--batch 8192] [--group 8] [--length 4096] [--repeats 20]
+    python benchmarks/bench_outcome.py --batch 8 --length 64 --repeats 1   # smoke run (seconds)
     pytest benchmarks/bench_outcome.py --benchmark-enable
 
 Results are printed, not asserted.
@@ -139,15 +140,17 @@ if pytest is not None:
         benchmark.pedantic(loop_grpo_tokens, args=data, rounds=3, iterations=1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8192)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--length", "--tokens", dest="tokens", type=int, default=4096, help="response tokens T")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cpu")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if a.group < 1 or a.batch % a.group:
+        p.error(f"--batch ({a.batch}) must be a multiple of --group ({a.group})")
     if a.threads:
         torch.set_num_threads(a.threads)
     run(a.batch, a.group, a.tokens, a.repeats, a.device)

@@ -1,0 +1,114 @@
+"""The benchmark scripts must not rot: each runs at tiny sizes and prints a well-formed table.
+
+Nothing about speed is asserted (the benchmarks print, they do not assert); what is checked is
+that each script's ``main([...])`` runs in seconds with the shared size flags
+(``--batch --length --repeats --threads``), prints its header with the ratio / speedup
+column, one row per case, and only finite, non-negative numbers, with the baseline row at
+exactly 1. A subprocess also runs the three files as scripts from outside the checkout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+TINY = ["--batch", "8", "--length", "64", "--repeats", "1", "--threads", "1"]
+NUMBER = re.compile(r"[-+]?(?:nan|inf|\d+(?:\.\d*)?(?:e[-+]?\d+)?)", re.I)
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_smoke_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def table(out: str, header: str, n_numbers: int) -> dict[str, list[float]]:
+    """Rows after the line containing ``header``: name -> its last ``n_numbers`` numbers."""
+    lines = out.splitlines()
+    starts = [i for i, ln in enumerate(lines) if header in ln]
+    assert starts, f"no table header with {header!r} in:\n{out}"
+    rows = {}
+    for ln in lines[starts[0] + 1 :]:
+        nums = NUMBER.findall(ln)
+        if len(nums) < n_numbers or ln.startswith(("speedup", "max |")):
+            break
+        values = [float(x) for x in nums[-n_numbers:]]
+        name = ln[: ln.find(nums[-n_numbers], len(ln.split("  ")[0]))].strip()
+        assert all(math.isfinite(v) and v >= 0 for v in values), f"bad numbers in row {ln!r}"
+        rows[name] = values
+    return rows
+
+
+def test_table_parser_can_fail():
+    ok = "case  a  b\nfoo 5% holes   1.0 ms  2.0x\nbar   3.0 ms  1.5x\n"
+    assert table(ok, "case", 2) == {"foo 5% holes": [1.0, 2.0], "bar": [3.0, 1.5]}
+    with pytest.raises(AssertionError, match="bad numbers"):
+        table("case\nfoo  nan ms  1.0x\n", "case", 2)
+    with pytest.raises(AssertionError, match="no table header"):
+        table("nothing here", "speedup", 2)
+
+
+def test_gae_tiny(capsys):
+    load("bench_gae").main([*TINY, "--sample-rows", "2"])
+    out = capsys.readouterr().out
+    rows = table(out, "time / rollkit", 3)  # ms, GB/s, ratio
+    assert len(rows) == 5, rows
+    assert rows["rollkit, multi-turn masks (5% holes)"][2] == 1.0  # the baseline of the ratio
+    assert any(k.startswith("column loop") for k in rows)
+    err = [float(x) for x in re.findall(r"float64\| = (\S+)", out)]
+    assert len(err) == 2 and all(e < 1e-4 for e in err), out  # holes and right-padded
+    m = re.search(r"speedup over the column loop: (\S+)x \(holes\), (\S+)x", out)
+    assert m and all(math.isfinite(float(g)) and float(g) > 0 for g in m.groups()), out
+
+
+def test_outcome_tiny(capsys):
+    load("bench_outcome").main([*TINY, "--group", "4"])
+    out = capsys.readouterr().out
+    assert "T=64" in out and "B=8" in out, out
+    rows = table(out, "speedup", 4)  # rollkit ms, loop ms, GB/s, speedup
+    assert set(rows) == {"advantages [B]", "advantages + tokens [B,T]"}, rows
+    assert all(r[0] > 0 and r[1] > 0 and r[3] > 0 for r in rows.values()), rows
+
+
+def test_losses_tiny(capsys):
+    mod = load("bench_losses")
+    mod.main(TINY)
+    out = capsys.readouterr().out
+    assert "shape [8, 64]" in out, out
+    rows = table(out, "vs minimal", 4)  # ms, time ratio, kernels, kernel ratio
+    assert set(rows) == set(mod.CASES), rows
+    assert rows["minimal-ppo"][1] == 1.0 and rows["minimal-ppo"][3] == 1.0
+    assert all(r[2] == int(r[2]) and r[2] > 0 for r in rows.values()), rows
+
+
+def test_scripts_run_as_scripts(tmp_path):
+    """`python benchmarks/bench_*.py ...` from another directory: the __main__ entry points."""
+    code = (
+        "import runpy, sys\n"
+        f"for name in ['bench_gae', 'bench_outcome', 'bench_losses']:\n"
+        f"    sys.argv = [name, *{TINY!r}]\n"
+        f"    runpy.run_path({str(BENCH)!r} + '/' + name + '.py', run_name='__main__')\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    for header in ("time / rollkit", "speedup", "vs minimal"):
+        assert header in res.stdout
