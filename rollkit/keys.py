@@ -61,6 +61,13 @@ TRAJ_IDS = "traj_ids"
 STEP_INDEX = "step_index"
 STATE_IDS = "state_ids"
 EPISODE_RETURNS = "episode_returns"
+# Loss terms and corrections written by the adapters.
+IS_WEIGHTS = "is_weights"
+IS_METRICS = "is_metrics"  # a metrics dict (non-tensor), not in SPECS
+ENTROPY = "entropy"
+KL_LOSS = "kl_loss"
+ENTROPY_LOSS = "entropy_loss"
+VALUE_LOSS = "value_loss"
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,11 @@ SPECS: dict[str, KeySpec] = {
         KeySpec(STEP_INDEX, ("B",), "int", "turn index of an agent step in its trajectory"),
         KeySpec(STATE_IDS, ("B",), "int", "hash of the environment state at an agent step"),
         KeySpec(EPISODE_RETURNS, ("B",), "float", "return of the step's trajectory"),
+        KeySpec(IS_WEIGHTS, ("B", "T"), "float", "constant importance weights"),
+        KeySpec(ENTROPY, ("B", "T"), "float", "per-token policy entropy"),
+        KeySpec(KL_LOSS, ("B", "T"), "float", "per-token KL loss term"),
+        KeySpec(ENTROPY_LOSS, ("B", "T"), "float", "per-token entropy bonus term"),
+        KeySpec(VALUE_LOSS, ("B", "T"), "float", "per-token critic loss"),
     )
 }
 
@@ -110,11 +122,16 @@ __all__ = [
     "ACCURACY",
     "ADVANTAGES",
     "BEHAVIOR_LOGPROBS",
+    "ENTROPY",
+    "ENTROPY_LOSS",
     "EPISODE_RETURNS",
     "GREEDY_REWARDS",
     "GROUP_IDS",
+    "IS_METRICS",
+    "IS_WEIGHTS",
     "KEEP",
     "KL",
+    "KL_LOSS",
     "KeySpec",
     "LOGITS",
     "LOGPROBS",
@@ -139,4 +156,5 @@ __all__ = [
     "STEP_IDS",
     "TOKEN_REWARDS",
     "VALUES",
+    "VALUE_LOSS",
 ]

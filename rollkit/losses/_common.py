@@ -15,14 +15,6 @@ from rollkit.validation import check_float, check_mask, check_ndim, check_same_s
 #: Half-precision dtypes that losses upcast to float32 before accumulating.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# Non-standard batch keys read / written by registered loss terms (candidates for rollkit.keys).
-IS_WEIGHTS = "is_weights"  # [B, T] float: constant importance weights (importance_weights)
-IS_METRICS = "is_metrics"  # metrics dict of importance_weights
-ENTROPY = "entropy"  # [B, T] float: per-token policy entropy (entropy_from_logits)
-KL_LOSS = "kl_loss"  # [B, T] float: per-token KL loss term
-ENTROPY_LOSS = "entropy_loss"  # [B, T] float: per-token entropy bonus term
-VALUE_LOSS = "value_loss"  # [B, T] float: per-token critic loss
-
 
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype a loss computes in: ``x``'s, promoted to at least float32."""

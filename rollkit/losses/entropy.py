@@ -6,10 +6,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from rollkit.keys import RESPONSE_MASK
+from rollkit.keys import ENTROPY, ENTROPY_LOSS, RESPONSE_MASK
 from rollkit.losses._common import (
-    ENTROPY,
-    ENTROPY_LOSS,
     LOW_PRECISION,
     check_token_tensors,
     masked_stat,

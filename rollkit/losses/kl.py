@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rollkit.keys import LOGPROBS, REF_LOGPROBS, RESPONSE_MASK
-from rollkit.losses._common import KL_LOSS, check_token_tensors, masked_stat, zero_outside
+from rollkit.keys import KL_LOSS, LOGPROBS, REF_LOGPROBS, RESPONSE_MASK
+from rollkit.losses._common import check_token_tensors, masked_stat, zero_outside
 from rollkit.ops import masked_mean
 from rollkit.registry import KL_ESTIMATORS, REGULARIZERS
 from rollkit.types import LossOutput

@@ -39,10 +39,17 @@ import math
 import torch
 from torch import Tensor
 
-from rollkit.keys import ADVANTAGES, BEHAVIOR_LOGPROBS, LOGPROBS, LOSS, OLD_LOGPROBS, RESPONSE_MASK
-from rollkit.losses._common import (
+from rollkit.keys import (
+    ADVANTAGES,
+    BEHAVIOR_LOGPROBS,
     IS_METRICS,
     IS_WEIGHTS,
+    LOGPROBS,
+    LOSS,
+    OLD_LOGPROBS,
+    RESPONSE_MASK,
+)
+from rollkit.losses._common import (
     check_seq_or_token,
     check_token_tensors,
     compute_dtype,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollkit.keys import OLD_VALUES, RESPONSE_MASK, RETURNS, VALUES
-from rollkit.losses._common import VALUE_LOSS, check_token_tensors, masked_stat, zero_outside
+from rollkit.keys import OLD_VALUES, RESPONSE_MASK, RETURNS, VALUE_LOSS, VALUES
+from rollkit.losses._common import check_token_tensors, masked_stat, zero_outside
 from rollkit.registry import VALUE_LOSSES
 from rollkit.types import LossOutput
 from rollkit.validation import check_positive
