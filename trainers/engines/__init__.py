@@ -1,0 +1,36 @@
+"""Rollout and training engines behind one interface each (see :mod:`trainers.engines.base`).
+
+Embedded defaults, which run anywhere: :class:`HFRolloutEngine` (transformers sampling loop)
+and :class:`TorchTrainEngine` (plain PyTorch). vLLM and DeepSpeed engines implement the same
+protocols. transformers is imported only when an engine is built.
+"""
+
+from trainers.engines.base import (
+    Generation,
+    PackedBatch,
+    RolloutEngine,
+    SamplingParams,
+    TrainEngine,
+    pack,
+    pack_generations,
+    pad_right,
+    position_ids_from_mask,
+)
+from trainers.engines.hf_rollout import HFRolloutEngine, process_logits
+from trainers.engines.torch_train import TorchTrainEngine, token_logprobs
+
+__all__ = [
+    "Generation",
+    "HFRolloutEngine",
+    "PackedBatch",
+    "RolloutEngine",
+    "SamplingParams",
+    "TorchTrainEngine",
+    "TrainEngine",
+    "pack",
+    "pack_generations",
+    "pad_right",
+    "position_ids_from_mask",
+    "process_logits",
+    "token_logprobs",
+]

@@ -1,0 +1,289 @@
+"""The embedded-default rollout engine: batched sampling with transformers, on any device.
+
+:class:`HFRolloutEngine` runs its own KV-cache sampling loop over a Hugging Face causal LM
+(rather than ``model.generate``), so that the reported log-probs are exactly the
+distribution each token was drawn from:
+
+    logits  -> / temperature -> top-k mask -> top-p mask -> log_softmax = processed log-probs
+    token   ~  exp(processed log-probs)            (torch.multinomial with a seeded generator)
+    logprob =  processed log-probs[token]
+
+This is vLLM's ``logprobs_mode="processed_logprobs"``. Without top-k / top-p it is
+``log_softmax(logits / T)[token]``, which the training engine recomputes exactly
+(``TorchTrainEngine.logprobs(..., temperature=T)``). With top-k / top-p the processed
+distribution is renormalised over the kept tokens, so the rollout log-prob is ``>=`` the
+trainer's full-vocabulary one; use it as the behaviour policy's log-prob (importance
+weights), not as a stand-in for the trainer's. ``temperature=0`` is greedy decoding and
+reports ``log_softmax(logits)[token]`` (temperature 1, after top-k / top-p masks).
+
+Prompts are left-padded with position ids ``cumsum(mask) - 1``, the layout of
+:func:`trainers.engines.base.pack`, so a sample does not depend on the other prompts of
+the batch (beyond floating-point reduction order).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainers.deps import require
+from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
+
+__all__ = ["HFRolloutEngine", "process_logits"]
+
+
+def process_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Tensor:
+    """``[N, V]`` raw logits -> ``[N, V]`` log-probs of the processed sampling distribution.
+
+    Temperature (``0`` counts as 1: greedy), then top-k, then top-p (the smallest set of
+    most likely tokens whose probability reaches ``top_p``; at least one token is kept);
+    removed tokens get ``-inf``. Computed in float32.
+    """
+    x = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        x = x / temperature
+    V = x.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        remove = before >= top_p
+        remove[..., 0] = False
+        x = x.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+class HFRolloutEngine:
+    """A :class:`~trainers.engines.base.RolloutEngine` over a transformers causal LM.
+
+    Args:
+        model_path_or_module: a checkpoint directory (``from_pretrained``) or a model
+            instance. An instance is used as is, not copied: pass ``copy.deepcopy(model)``
+            to keep the rollout weights separate from a trainer's.
+        tokenizer: gives ``eos_token_id`` / ``pad_token_id``; loaded from the path if None.
+        device: where the model runs. dtype: its dtype (log-probs are float32 regardless).
+        max_batch_size: the most sequences per forward (``None``: all prompts x ``n``).
+            Determinism holds for the same value.
+
+    ``policy_version`` starts at 0 and is set by :meth:`update_weights`.
+    """
+
+    def __init__(
+        self,
+        model_path_or_module: str | os.PathLike | Any,
+        tokenizer: Any = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int | None = None,
+    ) -> None:
+        transformers = require("transformers")
+        if isinstance(model_path_or_module, (str, os.PathLike)):
+            model = transformers.AutoModelForCausalLM.from_pretrained(model_path_or_module, dtype=dtype)
+            if tokenizer is None:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(model_path_or_module)
+        else:
+            model = model_path_or_module
+        if tokenizer is None:
+            raise ValueError("tokenizer is required when passing a model instance")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.tokenizer = tokenizer
+        eos: set[int] = set()
+        for e in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+            if e is not None:
+                eos.update([e] if isinstance(e, int) else e)
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        pad = tokenizer.pad_token_id
+        self.pad_token_id: int = pad if pad is not None else (self.eos_token_ids or (0,))[0]
+        self.max_batch_size = max_batch_size
+        self.policy_version = 0
+        self._sleep_level = 0
+        self._buffers: dict[str, Tensor] = {}
+        self._needs_weights = False
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``."""
+        if self._sleep_level:
+            raise RuntimeError("the engine is asleep: call wake() first")
+        if self._needs_weights:
+            raise RuntimeError("weights were discarded by sleep(level=2): call update_weights() first")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        rows = [(i, list(map(int, p))) for i, p in enumerate(prompts) for _ in range(params.n)]
+        seed = params.seed if params.seed is not None else random.randrange(2**63)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
+        step = self.max_batch_size or max(len(rows), 1)
+        out: list[Generation] = []
+        for s in range(0, len(rows), step):
+            out.extend(self._sample(rows[s : s + step], params, stop_t, gen))
+        return out
+
+    def generate_text(self, texts: Sequence[str], params: SamplingParams) -> list[str]:
+        """Convenience: encode ``texts``, :meth:`generate`, decode (special tokens skipped)."""
+        prompts = [self.tokenizer(t).input_ids for t in texts]
+        gens = self.generate(prompts, params)
+        return [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
+
+    @torch.inference_mode()
+    def _sample(
+        self, rows: list[tuple[int, list[int]]], params: SamplingParams, stop: Tensor, gen: torch.Generator
+    ) -> list[Generation]:
+        B, dev = len(rows), self.device
+        P = max(len(p) for _, p in rows)
+        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for b, (_, p) in enumerate(rows):
+            ids[b, P - len(p) :] = torch.tensor(p)
+            mask[b, P - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = position_ids_from_mask(mask)
+        o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache, logits = o.past_key_values, o.logits[:, -1]
+
+        M = params.max_tokens
+        tokens = torch.full((B, M), self.pad_token_id, dtype=torch.long, device=dev)
+        lps = torch.zeros((B, M), dtype=torch.float32, device=dev)
+        length = torch.full((B,), M, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        pos = pos[:, -1:]
+        for t in range(M):
+            logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
+            if params.temperature == 0:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+            tok = torch.where(done, self.pad_token_id, tok)
+            tokens[:, t] = tok
+            lps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            hit = torch.isin(tok, stop) & ~done
+            length = torch.where(hit, t + 1, length)
+            done |= hit
+            if t == M - 1 or bool(done.all()):
+                break
+            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
+            pos = pos + 1
+            o = self.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = o.past_key_values, o.logits[:, -1]
+
+        tokens, lps, length, done = tokens.cpu(), lps.cpu(), length.tolist(), done.tolist()
+        return [
+            Generation(
+                prompt_index=i,
+                prompt_ids=p,
+                token_ids=tokens[b, : length[b]].tolist(),
+                logprobs=lps[b, : length[b]].tolist(),
+                finish_reason="stop" if done[b] else "length",
+                policy_version=self.policy_version,
+            )
+            for b, (i, p) in enumerate(rows)
+        ]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Copy ``(name, tensor)`` pairs into the model in place; set ``policy_version``.
+
+        Names are the model's ``state_dict`` keys (a tied ``lm_head.weight`` may be given
+        or not: it is the embedding). The update is all-or-nothing: every name must exist
+        and every shape match, and every parameter must be covered, else nothing is copied
+        and ``KeyError`` / ``ValueError`` is raised. Tensors are cast to the engine's
+        dtype and device.
+        """
+        if self._sleep_level == 2:
+            raise RuntimeError(
+                "the weights were discarded by sleep(level=2): call wake() before update_weights()"
+            )
+        targets = self.model.state_dict(keep_vars=True)
+        params = {id(p): n for n, p in self.model.named_parameters()}
+        pending: list[tuple[Tensor, Tensor]] = []
+        covered: set[int] = set()
+        for name, t in named_tensors:
+            if name not in targets:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            dst = targets[name]
+            if tuple(t.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(dst.shape)}"
+                )
+            pending.append((dst, t))
+            covered.add(id(dst))
+        missing = [n for i, n in params.items() if i not in covered]
+        if missing:
+            raise KeyError(
+                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )
+        with torch.no_grad():
+            for dst, t in pending:
+                dst.copy_(t.detach().to(device=dst.device, dtype=dst.dtype))
+        self._needs_weights = False
+        self.policy_version = int(version)
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the accelerator memory of the weights while a colocated trainer runs.
+
+        * level 1: move the model to CPU (a no-op when ``device="cpu"``); :meth:`wake` moves
+          it back, weights intact.
+        * level 2: discard the weights (the model goes to the ``meta`` device; buffers such
+          as RoPE frequencies are kept on CPU). :meth:`wake` re-allocates uninitialised
+          storage and :meth:`update_weights` must run before the next :meth:`generate`,
+          as with vLLM's level-2 sleep. Frees memory on CPU too.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self._sleep_level:
+            return
+        if level == 2:
+            self._buffers = {n: b.detach().to("cpu", copy=True) for n, b in self.model.named_buffers()}
+            self.model.to("meta")
+        else:
+            self.model.to("cpu")
+        self._sleep_level = level
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` (after level 2, weights must then be sent with update_weights)."""
+        if not self._sleep_level:
+            return
+        if self._sleep_level == 2:
+            self.model.to_empty(device=self.device)
+            if hasattr(self.model, "tie_weights"):
+                self.model.tie_weights()  # to_empty may untie lm_head from the embedding
+            with torch.no_grad():
+                for n, b in self.model.named_buffers():
+                    b.copy_(self._buffers[n])
+            self._buffers = {}
+            self._needs_weights = True
+        else:
+            self.model.to(self.device)
+        self._sleep_level = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0

@@ -1,0 +1,258 @@
+"""The embedded-default training engine: plain PyTorch, one process or data parallel over gloo.
+
+:class:`TorchTrainEngine` wraps a Hugging Face causal LM and an optimizer:
+
+    lp = engine.logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, temperature=T)
+    out = rollkit.losses.ppo_clip(lp, batch.old_logprobs, adv, batch.response_mask)
+    engine.backward(rollkit.losses.aggregate(out.loss, batch.response_mask, "token-mean", **norms))
+    metrics = engine.step()                      # clip, optimizer step, scheduler, zero_grad
+    rollout.update_weights(engine.export_weights(), version)
+
+Gradient accumulation: call ``logprobs`` + ``backward`` once per micro-batch, then ``step``
+once. With rollkit's global normalisers (``norms = rollkit.losses.global_normalizers(mask
+of the whole batch)``) passed to every micro-batch's ``aggregate``, the accumulated gradient
+is the full-batch gradient, whatever the split.
+
+Data parallel: when :mod:`torch.distributed` is initialised with more than one rank (gloo on
+CPU, NCCL on GPUs), the engine broadcasts rank 0's weights at construction and, in
+:meth:`step`, all-reduces the accumulated gradients and divides them by the world size before
+clipping: the gradient *average* of DDP, taken once per step (so micro-batches need no
+``no_sync``). rollkit's ``global_normalizers`` returns ``dp_size`` to cancel that average:
+pass it to ``aggregate`` and every rank's loss is a share of the *global* batch loss. Every
+rank must call :meth:`step` (it is a collective). FSDP2 (sharded parameters) is not
+implemented; the DeepSpeed engine covers sharding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainers.engines.base import position_ids_from_mask
+
+__all__ = ["TorchTrainEngine", "token_logprobs"]
+
+
+def token_logprobs(
+    logits: Tensor,  # [B, T, V]
+    tokens: Tensor,  # [B, T]
+    temperature: float = 1.0,
+) -> Tensor:  # [B, T] float32
+    """``log_softmax(logits / temperature)`` gathered at ``tokens``, in float32.
+
+    Computed as ``z[token] - logsumexp(z)`` (stable, and without materialising the
+    ``[B, T, V]`` log-softmax beyond ``z`` itself).
+    """
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+class TorchTrainEngine:
+    """A :class:`~trainers.engines.base.TrainEngine` in plain PyTorch.
+
+    Args:
+        model: a transformers causal LM (``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ...).
+        optimizer: an optimizer over ``model``'s parameters, or None to build one with
+            ``optimizer_factory(params)`` (default: ``AdamW(lr, betas=(0.9, 0.999),
+            weight_decay)``).
+        lr, weight_decay: for the default optimizer.
+        grad_clip: clip the global gradient norm to this (``None``: no clipping; the norm
+            is still reported).
+        scheduler: an LR scheduler over the optimizer, or a callable ``optimizer ->
+            scheduler``; stepped once per :meth:`step`.
+        dtype: the model's parameter dtype (log-probs are computed in float32 anyway).
+        device: where the model is trained.
+        gradient_checkpointing: recompute activations in the backward (non-reentrant).
+        process_group: the data-parallel group (default: the world, if initialised).
+
+    A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
+    ``metrics["skipped"] == 1``).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        optimizer_factory: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = 1.0,
+        scheduler: Any = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        gradient_checkpointing: bool = False,
+        process_group: Any = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = model.to(device=self.device, dtype=dtype)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if optimizer is None:
+            if optimizer_factory is not None:
+                optimizer = optimizer_factory(params)
+            else:
+                optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+        self.optimizer = optimizer
+        if callable(scheduler) and not hasattr(scheduler, "step"):
+            scheduler = scheduler(optimizer)
+        self.scheduler = scheduler
+        self.grad_clip = grad_clip
+        self.global_step = 0
+        dist = torch.distributed
+        self._group = process_group
+        self._world = 1
+        if dist.is_available() and dist.is_initialized():
+            self._world = dist.get_world_size(process_group)
+        if self._world > 1:
+            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            with torch.no_grad():
+                for t in self.model.state_dict().values():
+                    dist.broadcast(t, src=src, group=process_group)
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    # ------------------------------------------------------------------ forward / backward
+
+    def logprobs(
+        self,
+        input_ids: Tensor,  # [B, L]
+        attention_mask: Tensor,  # [B, L]
+        response_mask: Tensor,  # [B, T]
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """``[B, T]`` float32 log-probs of the response tokens, the last ``T`` columns.
+
+        ``logprobs[b, t] = log_softmax(logits[b, L - T - 1 + t] / temperature)[input_ids[b, L - T + t]]``
+        (the layout of :func:`trainers.engines.base.pack`), 0 where ``response_mask`` is
+        False. Only the last ``T + 1`` positions go through the LM head. With
+        ``with_entropy``, also the ``[B, T]`` entropy of the tempered distribution (with
+        gradient; 0 outside the mask). ``temperature`` must be the rollout's to compare with
+        its log-probs. Runs with gradients unless called under ``torch.no_grad()``.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        B, L = input_ids.shape
+        T = response_mask.shape[1]
+        if response_mask.shape[0] != B or T >= L:
+            raise ValueError(
+                f"response_mask {list(response_mask.shape)} does not fit input_ids {[B, L]} "
+                "(the response is the last T columns, after at least one prompt token)"
+            )
+        dev = self.device
+        input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
+        mask = response_mask.to(dev, dtype=torch.bool)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+            logits_to_keep=T + 1,
+        )
+        logits = out.logits[:, :-1]  # [B, T, V]: position L-T-1+t predicts token L-T+t
+        lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
+        if not with_entropy:
+            return lp
+        from rollkit.losses import entropy_from_logits
+
+        z = logits.float() / temperature if temperature != 1.0 else logits.float()
+        ent = entropy_from_logits(z).masked_fill(~mask, 0.0)
+        return lp, ent
+
+    def backward(self, loss: Tensor) -> None:
+        """Accumulate ``d loss / d params`` (one micro-batch; the caller scales the loss)."""
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss must be a scalar, got shape {list(loss.shape)} (use rollkit.losses.aggregate)"
+            )
+        loss.backward()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _allreduce_grads(self) -> None:
+        dist = torch.distributed
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for gs in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
+            flat.div_(self._world)
+            off = 0
+            for g in gs:
+                g.copy_(flat[off : off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def step(self) -> dict[str, float]:
+        """All-reduce (if data parallel), clip, optimizer step, scheduler step, zero_grad.
+
+        Returns ``{"grad_norm": norm before clipping, "lr": lr used, "skipped": 0 or 1}``.
+        Parameters that received no gradient are left to the optimizer (AdamW still decays
+        them if ``weight_decay > 0``; with the default 0 they do not move).
+        """
+        if self._world > 1:
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)  # every rank must contribute to the same all-reduce
+            self._allreduce_grads()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+        if params:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        else:
+            norm = 0.0
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if not math.isfinite(norm):
+            self.zero_grad()
+            return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.zero_grad()
+        self.global_step += 1
+        return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
+
+    # ------------------------------------------------------------------ weights / checkpoints
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` for every parameter, named as in the model's ``state_dict``.
+
+        Tied weights appear once (``model.embed_tokens.weight``, not ``lm_head.weight``).
+        Tensors are detached views of the live parameters (no copy) unless ``dtype`` asks
+        for a cast: consume them before the next :meth:`step`.
+        """
+        for name, p in self.model.named_parameters():
+            t = p.detach()
+            yield name, (t if dtype is None else t.to(dtype))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model", "optimizer", "scheduler", "global_step"}``. The tensors are the live
+        ones (as with ``nn.Module.state_dict``): ``torch.save`` or ``copy.deepcopy`` them."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "global_step": self.global_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (strict about model keys)."""
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = int(state.get("global_step", 0))
