@@ -89,7 +89,7 @@ def zero_variance_filter(
     index, num_groups = group_index(group_ids)
     r64 = rewards.to(torch.float64)
     spread = segment_max(r64, index, num_groups) - segment_min(r64, index, num_groups)
-    return (spread > atol)[index]
+    return (spread > atol).index_select(0, index)
 
 
 @FILTERS.register(
@@ -156,7 +156,7 @@ def accuracy_band_filter(
     p = segment_mean(acc, index, num_groups)
     above = p >= low if inclusive in ("both", "left") else p > low
     below = p <= high if inclusive in ("both", "right") else p < high
-    return (above & below)[index]
+    return (above & below).index_select(0, index)
 
 
 @FILTERS.register(
@@ -266,7 +266,11 @@ def combine_keep(*keeps: Tensor) -> Tensor:
 
 
 def filter_metrics(keep: Tensor, group_ids: Tensor | None = None) -> dict[str, Tensor]:
-    r"""Summary of a keep-mask, as 0-dim detached tensors (no device sync).
+    r"""Summary of a keep-mask, as 0-dim detached tensors on the device of ``keep``.
+
+    Without ``group_ids`` nothing is read back to the host (no device sync); with
+    ``group_ids`` the group count of :func:`rollkit.ops.group_index` (``torch.unique``) costs
+    one synchronisation.
 
     * ``kept_fraction``: :math:`\frac{1}{B}\sum_i \mathrm{keep}_i` (0 for an empty batch),
     * ``num_kept``: number of kept samples (int64),

@@ -125,8 +125,10 @@ def masked_var(
     tensor(1.)
     """
     mean = masked_mean(x, mask, dim, keepdim=True)
-    dev2 = (x - mean).square()
-    ss = masked_sum(dev2, mask, dim, keepdim)
+    # mask the deviation *before* squaring: NaN/inf under the mask never reach the value or
+    # the gradient (``where``'s unused branch would backpropagate ``0 * inf = NaN``)
+    dev = torch.where(mask, x - mean, torch.zeros((), dtype=x.dtype, device=x.device))
+    ss = dev.square().sum() if dim is None else dev.square().sum(dim=dim, keepdim=keepdim)
     n = _count(mask, dim, keepdim, ss.dtype)
     need = 2 if unbiased else 1
     if value_checks_enabled() and bool((n < need).any()):
@@ -150,14 +152,17 @@ def masked_whiten(
         y = (x - mean) / sqrt(var + eps)        (shift_mean=True)
         y = (x - mean) / sqrt(var + eps) + mean (shift_mean=False: rescale, keep the mean)
 
-    ``var`` is the masked variance with the given ``unbiased`` flag (verl and OpenRLHF whiten
-    with the unbiased variance; TRL's ``whiten`` too). The usual advantage whitening of PPO
+    ``var`` is the masked variance with the given ``unbiased`` flag (verl's ``masked_whiten``
+    and TRL's ``whiten`` use the unbiased variance; OpenRLHF's ``masked_normalize`` the biased
+    one, ``unbiased=False``). The usual advantage whitening of PPO
     (Schulman et al., 2017, arXiv:1707.06347, as implemented by OpenAI baselines) and of
     REINFORCE++ (Hu, 2025, arXiv:2501.03262). Unlike :func:`group_normalize` the statistics
     are over all selected entries (no groups) and ``eps`` goes under the square root.
 
-    Numerics: the statistics are computed on the values shifted by their masked minimum (in
-    float32 for 16-bit inputs; the result has the dtype of ``x``). A constant input (zero
+    Numerics: the statistics are computed once (one pass for the mean, one for the variance,
+    one host synchronisation for the value checks) on the values shifted by one selected entry
+    (in float32 for 16-bit inputs; the result has the dtype of ``x``). Entries outside the mask
+    are zeroed first, so NaN/inf there reach neither the result nor its gradient. A constant input (zero
     variance) therefore gives exactly 0 (``shift_mean=False``: exactly its mean), also with
     ``eps=0``, instead of ``rounding / sqrt(eps)`` noise, and float32 values far from 0 with a
     small spread keep their precision (the mean's rounding error scales with the spread, not
@@ -178,18 +183,36 @@ def masked_whiten(
     check_mask("mask", mask, x, "x")
     check_positive("eps", eps, allow_zero=True)
     work = x if x.dtype in (torch.float64, torch.float32) else x.float()
-    inf = torch.full((), float("inf"), dtype=work.dtype, device=work.device)
-    # shift by the masked minimum (a constant, so no gradient): a constant input becomes 0 exactly
-    lo = torch.where(mask, work, inf).amin().detach() if work.numel() > 0 else inf
-    d = work - lo
-    mean = masked_mean(d, mask)
-    var = masked_var(d, mask, unbiased=unbiased)
+    zero = torch.zeros((), dtype=work.dtype, device=work.device)
+    count = mask.sum()
+    need = 2 if unbiased else 1
+    if value_checks_enabled():
+        n_sel = int(count)  # the only host synchronisation
+        if n_sel == 0:
+            raise ValueError("mask: selects no elements; a mean over nothing is undefined")
+        if n_sel < need:
+            raise ValueError(
+                f"mask: a {'n-1 (unbiased)' if unbiased else 'n (biased)'} variance needs at least "
+                f"{need} selected elements per slice, got {n_sel}"
+            )
+    if work.numel() == 0:
+        return x.clone()
+    work = torch.where(mask, work, zero)  # garbage under the mask never enters value or gradient
+    # shift by one selected entry (a constant, so no gradient): a constant input becomes 0
+    # exactly, and |d| <= spread keeps the mean's rounding error relative to the spread
+    first = mask.reshape(-1).to(torch.uint8).argmax().reshape(1)
+    pivot = work.reshape(-1).index_select(0, first).reshape(()).detach()
+    d = torch.where(mask, work - pivot, zero)
+    n = count.to(work.dtype)
+    mean = d.sum() / n.clamp(min=1)
+    dev = torch.where(mask, d - mean, zero)
+    var = dev.square().sum() / (n - (1 if unbiased else 0)).clamp(min=1)
     pos = var > 0
-    scale = torch.where(pos, torch.rsqrt(torch.where(pos, var + eps, torch.ones_like(var))), 0.0)
-    y = (d - mean) * scale
+    scale = torch.where(pos, torch.rsqrt(torch.where(pos, var + eps, torch.ones_like(var))), zero)
+    y = dev * scale
     if not shift_mean:
-        y = y + (mean + lo)
-    return torch.where(mask, y, torch.zeros((), dtype=y.dtype, device=y.device)).to(x.dtype)
+        y = torch.where(mask, y + (mean + pivot), zero)
+    return y.to(x.dtype)
 
 
 # --------------------------------------------------------------------------- segments
@@ -208,10 +231,38 @@ def group_index(group_ids: Tensor) -> tuple[Tensor, int]:
     return inverse, int(uniq.numel())
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _work(x: Tensor) -> Tensor:
+    """``x`` itself, or its float32 copy for a 16-bit float tensor (rollkit computes statistics
+    of 16-bit inputs in float32 and casts the result back)."""
+    return x.float() if x.dtype in _HALF else x
+
+
+def _count_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Counts are never 16-bit (bfloat16 rounds 257 to 256)."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _safe_sqrt(v: Tensor) -> Tensor:
+    """``sqrt(v)`` for ``v >= 0`` with a finite gradient at ``v == 0`` (taken as 0 there).
+
+    ``sqrt`` has an infinite derivative at 0, and ``torch.where`` backpropagates through its
+    unused branch (``0 * inf = NaN``): the square root is taken of 1 where ``v`` is 0.
+    """
+    pos = v > 0
+    return torch.where(pos, torch.where(pos, v, torch.ones_like(v)).sqrt(), torch.zeros_like(v))
+
+
 def segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    """``out[g] = sum_{i: index[i] == g} x[i]`` along dimension 0. Shape ``[G, *x.shape[1:]]``."""
-    out = torch.zeros((num_segments, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    return out.index_add(0, index, x)
+    """``out[g] = sum_{i: index[i] == g} x[i]`` along dimension 0. Shape ``[G, *x.shape[1:]]``.
+
+    16-bit inputs are accumulated in float32 and the result cast back.
+    """
+    w = _work(x)
+    out = torch.zeros((num_segments, *x.shape[1:]), dtype=w.dtype, device=x.device)
+    return out.index_add(0, index, w).to(x.dtype)
 
 
 def _segment_extreme(x: Tensor, index: Tensor, num_segments: int, reduce: str, fill: float) -> Tensor:
@@ -231,16 +282,19 @@ def segment_max(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
 
 
 def segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Number of members of each segment, ``[G]``."""
-    ones = torch.ones(index.shape[0], dtype=dtype, device=index.device)
-    return segment_sum(ones, index, num_segments)
+    """Number of members of each segment, ``[G]``, counted exactly (in int64) and then cast to
+    ``dtype`` (beware: a 16-bit ``dtype`` cannot hold every count above 256)."""
+    ones = torch.ones(index.shape[0], dtype=torch.int64, device=index.device)
+    counts = torch.zeros(num_segments, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
+    return counts.to(dtype)
 
 
 def segment_mean(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    """Mean of each segment, ``[G, ...]``; an empty segment gives 0."""
-    count = segment_count(index, num_segments, x.dtype)
+    """Mean of each segment, ``[G, ...]``; an empty segment gives 0 (16-bit: computed in float32)."""
+    w = _work(x)
+    count = segment_count(index, num_segments, w.dtype)
     count = count.reshape(-1, *([1] * (x.ndim - 1)))
-    return segment_sum(x, index, num_segments) / count.clamp(min=1)
+    return (segment_sum(w, index, num_segments) / count.clamp(min=1)).to(x.dtype)
 
 
 def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
@@ -249,16 +303,19 @@ def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) 
     ``unbiased=True`` divides by ``n - 1``; a segment with ``n <= 1`` then has variance 0 (a
     singleton has no spread to estimate), which is the convention the estimators document.
     """
-    mean = segment_mean(x, index, num_segments)
-    dev2 = (x - mean.index_select(0, index)).square()
-    count = segment_count(index, num_segments, x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+    w = _work(x)
+    mean = segment_mean(w, index, num_segments)
+    dev2 = (w - mean.index_select(0, index)).square()
+    count = segment_count(index, num_segments, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
     denom = (count - 1) if unbiased else count
-    return segment_sum(dev2, index, num_segments) / denom.clamp(min=1)
+    return (segment_sum(dev2, index, num_segments) / denom.clamp(min=1)).to(x.dtype)
 
 
 def segment_std(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
-    """Standard deviation of each segment: ``sqrt(segment_var)``."""
-    return segment_var(x, index, num_segments, unbiased=unbiased).sqrt()
+    """Standard deviation of each segment: ``sqrt(segment_var)`` (gradient 0, not NaN, where
+    the variance is 0)."""
+    w = _work(x)
+    return _safe_sqrt(segment_var(w, index, num_segments, unbiased=unbiased)).to(x.dtype)
 
 
 def group_normalize(
@@ -287,8 +344,15 @@ def group_normalize(
       statistics are computed on ``x - min_g x``, which is exactly 0 there;
     * a spread of exactly 0 leaves ``x - mean_g`` unscaled (so ``eps = 0`` is allowed); an
       unbiased std of a singleton counts as 0 spread;
-    * empty input gives empty output. Arithmetic is in the dtype of ``x`` (pass float64 for
-      more precision).
+    * empty input gives empty output. Arithmetic is in the dtype of ``x`` for float32 /
+      float64 (pass float64 for more precision) and in float32 for 16-bit inputs (the result
+      is cast back to the dtype of ``x``).
+
+    Differentiable in ``x`` (nothing is detached), with finite gradients everywhere: where a
+    group's spread is exactly 0 (constant group, singleton) the result is the unscaled
+    ``x - mean_g`` and so is its gradient (a convention: the scaled map is not differentiable
+    there); the square root and the division are guarded so that no ``0 * inf`` reaches the
+    backward pass.
 
     Args:
         x: ``[B, ...]`` float; statistics along dimension 0.
@@ -312,15 +376,18 @@ def group_normalize(
     if index.shape[0] != x.shape[0]:
         raise ValueError(f"index: has {index.shape[0]} entries but x has {x.shape[0]} rows")
     check_positive("eps", eps, allow_zero=True)
-    d = x - segment_min(x, index, num_groups).index_select(0, index)  # >= 0, 0 in constant groups
+    w = _work(x)
+    d = w - segment_min(w, index, num_groups).index_select(0, index)  # >= 0, 0 in constant groups
     centred = d - segment_mean(d, index, num_groups).index_select(0, index)
     if not scale:
-        return centred
-    count = segment_count(index, num_groups, x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+        return centred.to(x.dtype)
+    count = segment_count(index, num_groups, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
     denom = (count - 1) if unbiased else count
-    std = (segment_sum(centred.square(), index, num_groups) / denom.clamp(min=1)).sqrt()
+    std = _safe_sqrt(segment_sum(centred.square(), index, num_groups) / denom.clamp(min=1))
     std = std.index_select(0, index)
-    return torch.where(std > 0, centred / (std + eps), centred)
+    pos = std > 0
+    y = torch.where(pos, centred / torch.where(pos, std + eps, torch.ones_like(std)), centred)
+    return y.to(x.dtype)
 
 
 def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:

@@ -126,7 +126,7 @@ def normalize_rewards(
     x = rewards.to(torch.float64)
     y = group_normalize(x, index, num_groups, scale=True, unbiased=unbiased_std, eps=eps)
     if not shift_mean:
-        y = y + segment_mean(x, index, num_groups)[index]
+        y = y + segment_mean(x, index, num_groups).index_select(0, index)
     return y.to(rewards.dtype)
 
 
@@ -209,12 +209,16 @@ class RunningRewardNormalizer:
     def update(self, rewards: Tensor) -> None:
         """Merge the rewards of a batch (any shape, every entry counts) into the statistics."""
         check_finite_float("rewards", rewards)
-        x = rewards.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
-        n_b = x.numel()
+        n_b = rewards.numel()
         if n_b == 0:
             return
+        # batch statistics on the batch's device; only the two float64 scalars move to the CPU
+        x = rewards.detach().reshape(-1)
+        x = x.to(torch.float64) if x.device.type != "mps" else x.to(torch.float32)
         mean_b = x.mean()
         m2_b = (x - mean_b).square().sum()
+        stats = torch.stack([mean_b, m2_b]).to(device="cpu", dtype=torch.float64)  # one transfer
+        mean_b, m2_b = stats[0], stats[1]
         n_a = self.count.to(torch.float64)
         n = n_a + n_b
         delta = mean_b - self.mean

@@ -10,9 +10,12 @@ Use them in your own tests of loss math::
         out = my_loss(b["logprobs"], b["old_logprobs"], b["advantages"], b["response_mask"])
         assert torch.isfinite(out).all()
 
-Everything generated is *valid* input (bool masks, finite floats, int group ids); ragged
-masks (including fully masked rows and interior holes, as in multi-turn), arbitrary group ids
-(any order, any sizes, singletons) and extreme magnitudes are all drawn. Requires the
+Everything generated is *valid* input (bool masks, finite floats under the mask, int group
+ids); ragged masks (including fully masked rows and interior holes, as in multi-turn) and
+arbitrary group ids (any order, any sizes, singletons) are always drawn, extreme magnitudes
+only with ``extreme=True``, and NaN / ``+-inf`` at the masked-out positions of the ``[B, T]``
+float tensors only with ``garbage_padding=True`` (valid input too: rollkit ignores whatever
+lies under a False mask, and these strategies let property tests check that it does). Requires the
 ``hypothesis`` package (the ``dev`` extra); importing this module without it raises a clear
 error.
 """
@@ -85,8 +88,14 @@ def group_ids(draw, batch: int, *, max_groups: int | None = None, min_group_size
     """``[batch]`` int64 group ids in arbitrary order with arbitrary (possibly singleton) sizes.
 
     Ids are arbitrary non-negative integers (not ``0..G-1``), shuffled. ``min_group_size > 1``
-    forces every group to have at least that many members (groups are then merged).
+    forces every group to have at least that many members (groups are then merged); it
+    raises ``ValueError`` when ``0 < batch < min_group_size`` (no such grouping exists).
     """
+    if 0 < batch < min_group_size:
+        raise ValueError(
+            f"min_group_size: {min_group_size} is larger than the batch ({batch}); no grouping has "
+            f"groups of at least {min_group_size} members"
+        )
     max_groups = max_groups or batch
     labels = draw(st.lists(st.integers(0, max_groups - 1), min_size=batch, max_size=batch))
     if min_group_size > 1:
@@ -115,9 +124,15 @@ def float_tensors(
     max_value: float = 10.0,
     extreme: bool = False,
     dtype: torch.dtype = torch.float32,
+    mask: torch.Tensor | None = None,
+    garbage_padding: bool = False,
 ):
     """A finite float tensor of ``shape``. ``extreme=True`` also draws magnitudes up to 1e6
-    and tiny values near 1e-6, clipped to ``[min_value, max_value]`` when those are tighter."""
+    and tiny values near 1e-6, clipped to ``[min_value, max_value]`` when those are tighter.
+
+    ``garbage_padding=True`` (needs a bool ``mask`` of ``shape``) replaces every entry where
+    ``mask`` is False by a drawn NaN, ``+inf`` or ``-inf``; the selected entries stay finite.
+    """
     n = 1
     for s in shape:
         n *= s
@@ -126,7 +141,26 @@ def float_tensors(
         big = [v for v in (1e6, -1e6, 1e3, -1e3, 1e-6, -1e-6, 0.0) if min_value <= v <= max_value]
         elems = st.one_of(elems, st.sampled_from(big)) if big else elems
     values = draw(st.lists(elems, min_size=n, max_size=n))
-    return torch.tensor(values, dtype=dtype).reshape(shape)
+    out = torch.tensor(values, dtype=dtype).reshape(shape)
+    if garbage_padding:
+        if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape):
+            raise ValueError(f"mask: garbage_padding=True needs a bool mask of shape {list(shape)}")
+        out = _garbage_under(draw, out, mask)
+    return out
+
+
+_GARBAGE = (float("nan"), float("inf"), float("-inf"))
+
+
+def _garbage_under(draw, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with a drawn NaN / +inf / -inf at every position where ``mask`` is False."""
+    n_bad = int((~mask).sum())
+    if n_bad == 0:
+        return x
+    bad = draw(st.lists(st.sampled_from(_GARBAGE), min_size=n_bad, max_size=n_bad))
+    out = x.clone()
+    out[~mask] = torch.tensor(bad, dtype=x.dtype)
+    return out
 
 
 def rewards(batch: int, *, binary: bool = False, extreme: bool = False):
@@ -155,6 +189,7 @@ def batches(
     binary_rewards: bool = False,
     max_log_ratio: float = 2.0,
     extreme: bool = False,
+    garbage_padding: bool = False,
 ):
     """A dict with every standard key of :mod:`rollkit.keys` (see its table for shapes).
 
@@ -162,6 +197,12 @@ def batches(
     most ``max_log_ratio`` per token (so ratios are in ``[e^-r, e^r]``) and stay ``<= 0``.
     ``advantages`` are token-level, zero outside the mask. Tensors have no ``requires_grad``;
     set it on ``logprobs`` where a test needs the gradient.
+
+    ``extreme=True`` draws ``advantages`` and ``rewards`` with magnitudes up to 1e6 and down
+    to 1e-6 (the log-probabilities are unaffected). ``garbage_padding=True`` puts NaN / ``+inf``
+    / ``-inf`` at every masked-out position of the ``[B, T]`` float keys (``logprobs``,
+    ``old_logprobs``, ``behavior_logprobs``, ``ref_logprobs``, ``values``, ``advantages``,
+    ``token_rewards``), so that a property test catches any mask leak in value or gradient.
     """
     B, T = draw(shapes(min_batch=min_batch, max_batch=max_batch, max_len=max_len))
     mask = draw(masks(B, T, holes=holes, allow_empty_rows=allow_empty_rows))
@@ -172,7 +213,7 @@ def batches(
         return (x + d).clamp(max=0.0)
 
     adv_seq = draw(float_tensors((B,), min_value=-5.0, max_value=5.0, extreme=extreme))
-    return {
+    out = {
         "response_mask": mask,
         "logprobs": lp,
         "old_logprobs": near(lp),
@@ -187,3 +228,18 @@ def batches(
             draw(st.lists(st.integers(0, 10), min_size=B, max_size=B)), dtype=torch.int64
         ),
     }
+    if garbage_padding:
+        for key in _TOKEN_FLOAT_KEYS:
+            out[key] = _garbage_under(draw, out[key], mask)
+    return out
+
+
+_TOKEN_FLOAT_KEYS = (
+    "logprobs",
+    "old_logprobs",
+    "behavior_logprobs",
+    "ref_logprobs",
+    "values",
+    "advantages",
+    "token_rewards",
+)

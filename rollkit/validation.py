@@ -12,29 +12,35 @@ with :func:`value_checks`::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import operator
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-_VALUE_CHECKS = True
+# A context variable, not a module global: ``value_checks(False)`` in one thread or asyncio
+# task leaves the checks of the others on.
+_VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("rollkit_value_checks", default=True)
 
 
 @contextlib.contextmanager
 def value_checks(enabled: bool) -> Iterator[None]:
-    """Turn the data-reading checks (finite values, non-empty masks) on or off in a block."""
-    global _VALUE_CHECKS
-    previous = _VALUE_CHECKS
-    _VALUE_CHECKS = bool(enabled)
+    """Turn the data-reading checks (finite values, non-empty masks) on or off in a block.
+
+    The setting is per thread / asyncio task (a :class:`contextvars.ContextVar`): switching
+    the checks off in one thread does not affect the others.
+    """
+    token = _VALUE_CHECKS.set(bool(enabled))
     try:
         yield
     finally:
-        _VALUE_CHECKS = previous
+        _VALUE_CHECKS.reset(token)
 
 
 def value_checks_enabled() -> bool:
-    return _VALUE_CHECKS
+    """Whether the data-reading checks are on in the current thread / task."""
+    return _VALUE_CHECKS.get()
 
 
 def _shape(x: Tensor) -> tuple[int, ...]:
@@ -95,7 +101,7 @@ def check_mask(name: str, mask: Tensor, like: Tensor | None = None, like_name: s
 def check_finite(name: str, x: Tensor) -> None:
     """Raise if ``x`` holds NaN or +/-inf (skipped inside ``value_checks(False)``)."""
     check_tensor(name, x)
-    if not _VALUE_CHECKS or not x.is_floating_point():
+    if not value_checks_enabled() or not x.is_floating_point():
         return
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
@@ -125,13 +131,13 @@ def check_finite_under_mask(name: str, x: Tensor, mask: Tensor) -> None:
     """
     check_tensor(name, x)
     check_mask("mask", mask, x, name)
-    if _VALUE_CHECKS:
+    if value_checks_enabled():
         check_finite(name, torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)))
 
 
 def check_nonempty(name: str, mask: Tensor) -> None:
     """Raise if ``mask`` selects nothing (skipped inside ``value_checks(False)``)."""
-    if not _VALUE_CHECKS:
+    if not value_checks_enabled():
         return
     if mask.numel() == 0 or not bool(mask.any()):
         raise ValueError(f"{name}: mask selects no elements; a mean over nothing is undefined")
@@ -140,7 +146,7 @@ def check_nonempty(name: str, mask: Tensor) -> None:
 def check_group_ids(name: str, group_ids: Tensor, batch_size: int | None = None) -> None:
     """Raise unless ``group_ids`` is a 1-D integer tensor (of length ``batch_size``)."""
     check_tensor(name, group_ids)
-    if group_ids.dtype.is_floating_point or group_ids.dtype in (torch.bool, torch.complex64):
+    if group_ids.dtype.is_floating_point or group_ids.is_complex() or group_ids.dtype == torch.bool:
         raise ValueError(f"{name}: expected an integer tensor, got dtype {group_ids.dtype}")
     if group_ids.ndim != 1:
         raise ValueError(f"{name}: expected shape [B], got {list(group_ids.shape)}")

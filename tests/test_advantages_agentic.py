@@ -521,3 +521,84 @@ def test_group_normalisation_is_the_shared_ops_routine():
     ref = starpo_advantages(R.double(), g)
     torch.testing.assert_close(starpo_advantages(R, g).double(), ref, rtol=0, atol=1e-5)
     assert starpo_advantages(R, g)[3:5].tolist() == [0.0, 0.0]
+
+
+# --------------------------------------------------------------------------- gradients, precision
+
+
+def test_zero_spread_groups_have_finite_gradients():
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0], requires_grad=True)
+    starpo_advantages(r, torch.tensor([0, 0, 1, 1])).sum().backward()
+    assert torch.isfinite(r.grad).all(), r.grad
+    # gigpo: a task group of two episodes with equal returns, constant and singleton anchors
+    r = torch.tensor([0.0, 1.0, 1.0, 0.0, 2.0], requires_grad=True)
+    traj, step = torch.tensor([0, 0, 1, 1, 2]), torch.tensor([0, 1, 0, 1, 0])
+    group, state = torch.tensor([4, 4, 4, 4, 5]), torch.tensor([11, 12, 11, 13, 11])
+    for stats in ("trajectory", "step"):
+        r.grad = None
+        adv = gigpo_advantages(r, traj, step, group, state, gamma=1.0, norm="std", episode_stats=stats)
+        adv.sum().backward()
+        assert torch.isfinite(r.grad).all(), (stats, r.grad)
+
+
+def test_starpo_and_gigpo_pass_gradcheck_next_to_constant_and_singleton_groups():
+    # starpo: informative groups 0 and 3, singleton 5, constant group 7 (held fixed)
+    gid = torch.tensor([0, 0, 0, 3, 3, 5, 7, 7])
+    fixed = torch.tensor([2.0, 2.0], dtype=torch.float64)
+    z = torch.tensor([0.3, -1.2, 2.0, 0.9, 4.0, 1.0], dtype=torch.float64, requires_grad=True)
+    for unbiased in (True, False):
+        assert torch.autograd.gradcheck(
+            lambda t, u=unbiased: starpo_advantages(torch.cat([t, fixed]), gid, unbiased_std=u), (z,)
+        )
+    # gigpo (norm="std"): task group 4 (three episodes, state 11 revisited), task group 6 whose
+    # two episodes are constant (held fixed), and singleton anchors
+    traj = torch.tensor([0, 0, 1, 1, 2, 3, 3, 4, 4])
+    step = torch.tensor([0, 1, 0, 1, 0, 0, 1, 0, 1])
+    group = torch.tensor([4, 4, 4, 4, 4, 6, 6, 6, 6])
+    state = torch.tensor([11, 12, 11, 13, 11, 20, 21, 20, 21])
+    fixed = torch.tensor([1.0, 0.5, 1.0, 0.5], dtype=torch.float64)
+    z = torch.tensor([0.2, 1.3, -0.4, 0.7, 2.1], dtype=torch.float64, requires_grad=True)
+    for stats in ("trajectory", "step"):
+        assert torch.autograd.gradcheck(
+            lambda t, s=stats: gigpo_advantages(
+                torch.cat([t, fixed]), traj, step, group, state, gamma=0.9, norm="std", episode_stats=s
+            ),
+            (z,),
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_inputs_give_the_float32_result_rounded(dtype):
+    gen = torch.Generator().manual_seed(3)
+    n_traj, length = 300, 4  # task group 0 holds 257 trajectories: more than bfloat16 counts
+    traj = torch.arange(n_traj).repeat_interleave(length)
+    step = torch.arange(length).repeat(n_traj)
+    tgroup = torch.where(torch.arange(n_traj) < 257, 0, 1 + torch.arange(n_traj) % 5)
+    group = tgroup.repeat_interleave(length)
+    state = torch.randint(0, 3, (n_traj * length,), generator=gen)
+    r = (torch.rand(n_traj * length, generator=gen) * 4 + 1).to(dtype)  # the rounded inputs
+
+    def check(fn):
+        got = fn(r)
+        assert got.dtype == dtype
+        want = fn(r.float()).to(dtype).float()
+        tol = torch.finfo(dtype).eps * want.abs() + torch.finfo(dtype).tiny
+        assert ((got.float() - want).abs() <= tol).all()
+
+    check(lambda x: discounted_step_returns(x, traj, step, gamma=0.97))
+    check(lambda x: gigpo_advantages(x, traj, step, group, state, gamma=0.95, norm="std"))
+    check(lambda x: gigpo_advantages(x, traj, step, group, state, norm="none", episode_stats="step"))
+    r = (torch.rand(n_traj, generator=gen) * 40 + 10).to(dtype)  # episode returns
+    check(lambda x: starpo_advantages(x, tgroup))
+    check(lambda x: starpo_advantages(x, tgroup, norm="none", min_std=0.1))
+
+
+@given(step_batches(gaps=True, max_len=9), st.sampled_from([0.3, 0.95, 1.0]))
+def test_float32_discounted_returns_match_float64_loop_to_float32_precision(b, gamma):
+    r = b["step_rewards"]
+    assert r.dtype == torch.float32
+    out = discounted_step_returns(r, b["traj_ids"], b["step_index"], gamma=gamma)
+    assert out.dtype == torch.float32
+    ref = ref_returns(r.double(), b["traj_ids"], b["step_index"], gamma)
+    scale = ref_returns(r.double().abs(), b["traj_ids"], b["step_index"], gamma)
+    assert ((out.double() - ref).abs() <= 1e-6 * scale + 1e-6).all()

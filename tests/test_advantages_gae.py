@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollkit.advantages.gae import (
@@ -18,7 +18,7 @@ from rollkit.advantages.gae import (
 )
 from rollkit.ops import group_index
 from rollkit.registry import ADVANTAGE_ESTIMATORS
-from rollkit.testing import float_tensors, group_ids, masks, rewards, shapes
+from rollkit.testing import batches, float_tensors, group_ids, masks, rewards, shapes
 from rollkit.validation import value_checks
 
 # --------------------------------------------------------------------------- plain-Python references
@@ -135,7 +135,7 @@ def test_reinforce_pp_whitening_uses_biased_std_over_batch_tokens():
     assert a[0, 2] == 0
     assert math.isclose(float(a[0, 0]), 0.6 / math.sqrt(0.24), rel_tol=1e-6)
     # unbiased=True divides by n - 1 = 4 (verl's convention)
-    a_u = reinforce_pp_advantages(rw, m, unbiased=True)
+    a_u = reinforce_pp_advantages(rw, m, unbiased_std=True)
     assert math.isclose(float(a_u[0, 0]), 0.6 / math.sqrt(0.3), rel_tol=1e-6)
 
 
@@ -593,3 +593,84 @@ def test_reinforce_pp_constant_returns_whiten_to_exact_zero():
     # group-centred constant groups as well
     adv = reinforce_pp_baseline_advantages(torch.tensor([0.7, 0.7, 0.2]), torch.tensor([0, 0, 1]), mask)
     assert adv.tolist() == [[0.0] * 3] * 3
+
+
+# --------------------------------------------------------------------------- garbage padding
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=batches(garbage_padding=True, allow_empty_rows=True),
+    gamma=st.sampled_from([0.0, 0.9, 1.0]),
+    unbiased=st.booleans(),
+    chunk=st.sampled_from([2, 3, 64]),
+)
+def test_token_estimators_finite_value_and_grad_with_garbage_padding(b, gamma, unbiased, chunk):
+    """NaN / +-inf at the masked positions of every [B, T] input reach neither the outputs nor
+    the gradients of the token-level estimators."""
+    from hypothesis import assume
+
+    m = b["response_mask"]
+    assume(int(m.sum()) >= 2)
+    tr = b["token_rewards"].double().requires_grad_()
+    vals = b["values"].double().requires_grad_()
+    kl = (b["ref_logprobs"] - b["logprobs"]).double().requires_grad_()
+    rw = b["rewards"].double().requires_grad_()
+    adv, ret = gae_advantages(tr, vals, m, gamma=gamma, lam=0.95, chunk_size=chunk)
+    outs = [
+        adv,
+        ret,
+        discounted_returns(tr, m, gamma=gamma, chunk_size=chunk),
+        reverse_discounted_cumsum(tr, m, discount=gamma, chunk_size=chunk),
+        reinforce_pp_advantages(
+            rw, m, kl=kl, kl_coef=0.1, gamma=gamma, unbiased_std=unbiased, chunk_size=chunk
+        ),
+        reinforce_pp_baseline_advantages(
+            rw, b["group_ids"], m, kl=kl, kl_coef=0.1, gamma=gamma, unbiased_std=unbiased, chunk_size=chunk
+        ),
+    ]
+    w = torch.linspace(-1.0, 2.0, m.numel(), dtype=torch.float64).reshape(m.shape)
+    for out in outs:
+        assert torch.isfinite(out).all()
+        assert (out[~m] == 0).all()
+    sum((o * w).sum() for o in outs).backward()
+    for x in (tr, vals, kl):
+        assert torch.isfinite(x.grad).all()
+        assert (x.grad[~m] == 0).all()
+    assert torch.isfinite(rw.grad).all()
+
+
+def test_reinforce_pp_single_token_depends_on_unbiased_std():
+    m = torch.tensor([[True, False]])
+    assert reinforce_pp_advantages(torch.tensor([2.0]), m).tolist() == [[0.0, 0.0]]
+    with pytest.raises(ValueError, match="at least 2"):
+        reinforce_pp_advantages(torch.tensor([2.0]), m, unbiased_std=True)
+    with pytest.raises(TypeError):
+        reinforce_pp_advantages(torch.tensor([2.0]), m, unbiased=True)  # renamed to unbiased_std
+
+
+def test_general_layout_path_equals_the_right_padded_fast_path(monkeypatch):
+    """On an accelerator the "no interior hole" check is skipped (it would synchronise): the
+    general compaction path must give bitwise the same result on right-padded masks."""
+    import rollkit.advantages.gae as gae
+
+    gen = torch.Generator().manual_seed(0)
+    B, T = 6, 150
+    m = torch.arange(T) < torch.tensor([[150], [1], [0], [77], [64], [65]])
+    tr = torch.randn(B, T, generator=gen)
+    vals = torch.randn(B, T, generator=gen)
+    rw = torch.randn(B, generator=gen)
+
+    def run():
+        return (
+            *gae_advantages(tr, vals, m, gamma=0.99, lam=0.9),
+            discounted_returns(tr, m, gamma=0.97),
+            reinforce_pp_advantages(rw, m, kl=tr, kl_coef=0.05),
+        )
+
+    assert gae._layout(m).dest is None
+    fast = run()
+    monkeypatch.setattr(gae, "_mask_is_cheap_to_read", lambda mask: False)
+    assert gae._layout(m).dest is not None
+    for a, b in zip(fast, run()):
+        assert torch.equal(a, b)

@@ -560,3 +560,106 @@ def test_gpg_alpha_rescales_to_informative_samples(rg):
         assert close(adv, dr * len(r) / (len(r) - m))
     else:
         assert (adv == 0).all()
+
+
+# --------------------------------------------------------------------------- gradients (zero spread)
+
+
+def _grad(fn, r):
+    r = r.clone().requires_grad_()
+    fn(r).sum().backward()
+    return r.grad
+
+
+_NORMALISING = {
+    "grpo": lambda r, g: grpo_advantages(r, g),
+    "grpo_eps0": lambda r, g: grpo_advantages(r, g, eps=0.0),
+    "grpo_biased": lambda r, g: grpo_advantages(r, g, unbiased_std=False),
+    "grpo_batch_mean": lambda r, g: grpo_advantages(r, g, mean_level="batch"),
+    "grpo_loo_std": lambda r, g: grpo_advantages(r, g, leave_one_out=True, loo_std=True, eps=0.0),
+    "rloo_group_std": lambda r, g: grpo_advantages(r, g, leave_one_out=True),
+    "lite_ppo": lambda r, g: lite_ppo_advantages(r, g, eps=0.0),
+    "gpg_std": lambda r, g: gpg_advantages(r, g, normalize_std=True),
+    "rebn": lambda r, g: rebn_advantages(r, eps=0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NORMALISING))
+def test_zero_spread_groups_have_finite_gradients(name):
+    fn = _NORMALISING[name]
+    # the reviewer's repro: group 0 is constant
+    grad = _grad(lambda r: fn(r, ids(0, 0, 1, 1)), T([1.0, 1.0, 0.0, 1.0]))
+    assert torch.isfinite(grad).all(), grad
+    # constant groups, singletons, a constant batch, a LOO sample whose others are equal
+    for r, gid in (
+        (T([2.0, 2.0, 2.0, 5.0, 1.0, 0.0, 3.0]), ids(0, 0, 0, 1, 2, 2, 2)),
+        (T([3.0, 3.0, 3.0, 3.0]), ids(0, 0, 1, 1)),
+        (T([1.0, 0.0, 0.0, 7.0]), ids(4, 4, 4, 9)),
+    ):
+        for dtype in (torch.float32, torch.float64):
+            grad = _grad(lambda x, gid=gid: fn(x, gid), r.to(dtype))
+            assert torch.isfinite(grad).all(), (name, r, grad)
+
+
+@pytest.mark.parametrize("name", sorted(_NORMALISING))
+def test_normalising_estimators_pass_gradcheck_next_to_constant_and_singleton_groups(name):
+    """gradcheck (float64) of the informative rewards of a batch that also holds a constant
+    group and singletons. The constant group's rewards are held fixed: at an exactly constant
+    group the scaled map has no derivative (documented convention: the gradient there is that of
+    the unscaled ``r - b``), so finite differences across it are meaningless."""
+    fn = _NORMALISING[name]
+    fixed = torch.tensor([2.0, 2.0, 2.0], dtype=torch.float64)  # constant group 7
+    gid = ids(0, 0, 0, 0, 3, 3, 3, 5, 7, 7, 7, 9)  # singletons 5 and 9
+    z = torch.tensor([0.3, -1.2, 2.0, 0.9, 4.0, 1.0, 2.5, 0.7, -3.0], dtype=torch.float64)
+
+    def f(x):
+        r = torch.cat([x[:8], fixed, x[8:]])
+        return fn(r, gid)
+
+    assert torch.autograd.gradcheck(f, (z.requires_grad_(),))
+
+
+def test_zero_spread_gradient_is_the_unscaled_one():
+    # documented convention: in a constant group (and a singleton) the gradient is that of r - mean_g
+    r = T([1.0, 1.0, 0.0, 1.0, 4.0]).double().requires_grad_()
+    g = ids(0, 0, 1, 1, 2)
+    w = torch.tensor([1.0, -2.0, 0.5, 0.25, 3.0], dtype=torch.float64)
+    (grpo_advantages(r, g) * w).sum().backward()
+    assert r.grad[:2].tolist() == [1.5, -1.5]  # d/dr of (r - mean) weighted by (1, -2)
+    assert r.grad[4].item() == 0.0  # singleton: identically 0
+
+
+# --------------------------------------------------------------------------- 16-bit inputs
+
+
+def _within_one_ulp(got, want32):
+    """``got`` (16-bit) is the float32 result ``want32`` rounded to ``got.dtype``, +- one ulp."""
+    want = want32.to(got.dtype).float()
+    tol = torch.finfo(got.dtype).eps * want.abs() + torch.finfo(got.dtype).tiny
+    return bool(((got.float() - want).abs() <= tol).all())
+
+
+_SIXTEEN_BIT = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "lite_ppo": lite_ppo_advantages,
+    "grpo_loo_std": lambda r, g: grpo_advantages(r, g, leave_one_out=True, loo_std=True),
+    "gpg": gpg_advantages,
+    "gpg_std": lambda r, g: gpg_advantages(r, g, normalize_std=True),
+    "opo": lambda r, g: opo_advantages(r, g, torch.arange(1, r.shape[0] + 1)),
+    "rebn": lambda r, g: rebn_advantages(r),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(_SIXTEEN_BIT))
+def test_16bit_rewards_give_the_float32_result_rounded(name, dtype):
+    fn = _SIXTEEN_BIT[name]
+    gen = torch.Generator().manual_seed(1)
+    # a 257-member group (bfloat16 cannot hold the count 257), a small group, a singleton
+    g = torch.cat([torch.zeros(257, dtype=torch.long), torch.full((5,), 3), torch.full((1,), 8)])
+    r = (torch.randn(g.shape[0], generator=gen) * 3 + 10).to(dtype)  # the rounded inputs
+    got = fn(r, g)
+    assert got.dtype == dtype
+    assert _within_one_ulp(got, fn(r.float(), g)), name

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from rollkit.ops import (
@@ -16,7 +16,7 @@ from rollkit.ops import (
     segment_sum,
     segment_var,
 )
-from rollkit.testing import float_tensors, group_ids, masks, shapes
+from rollkit.testing import batches, float_tensors, group_ids, masks, shapes
 from rollkit.validation import value_checks
 
 
@@ -267,3 +267,103 @@ def test_masked_whiten_gradient():
     x = torch.tensor([[0.3, -1.2, 2.0], [0.5, 4.0, 1.0]], dtype=torch.float64, requires_grad=True)
     m = torch.tensor([[True, True, False], [True, True, True]])
     assert torch.autograd.gradcheck(lambda t: masked_whiten(t, m, eps=1e-3), (x,))
+
+
+# --------------------------------------------------------------------------- garbage under the mask
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_masked_var_and_whiten_ignore_garbage_under_mask_in_value_and_grad(bad):
+    m = torch.tensor([[True, True, False], [True, True, True]])
+    clean = torch.tensor([[0.3, -1.2, 0.0], [0.5, 4.0, 1.0]], dtype=torch.float64)
+    dirty = clean.clone()
+    dirty[0, 2] = bad
+    w = torch.arange(1.0, 7.0, dtype=torch.float64).reshape(2, 3)
+    for fn in (
+        lambda t: masked_var(t, m),
+        lambda t: masked_var(t, m, dim=-1, unbiased=False),
+        lambda t: masked_whiten(t, m) * w,
+        lambda t: masked_whiten(t, m, shift_mean=False, unbiased=False) * w,
+    ):
+        grads = []
+        for x in (clean, dirty):
+            x = x.clone().requires_grad_()
+            out = fn(x)
+            out.sum().backward()
+            assert torch.isfinite(out).all()
+            grads.append(x.grad)
+        assert torch.isfinite(grads[1]).all(), grads[1]
+        torch.testing.assert_close(grads[1], grads[0])
+        assert grads[1][0, 2].item() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=batches(garbage_padding=True, extreme=True), unbiased=st.booleans())
+def test_masked_reductions_finite_value_and_grad_with_garbage_padding(b, unbiased):
+    m = b["response_mask"]
+    n = int(m.sum())
+    assume(n >= 2)
+    for key in ("values", "logprobs", "advantages"):
+        x = b[key].double().requires_grad_()
+        outs = [
+            masked_sum(x, m),
+            masked_mean(x, m),
+            masked_var(x, m, unbiased=unbiased),
+            (
+                masked_whiten(x, m, unbiased=unbiased) * torch.linspace(-1, 1, x.numel()).reshape(x.shape)
+            ).sum(),
+            masked_whiten(x, m, shift_mean=False).sum(),
+        ]
+        total = sum(o.sum() for o in outs)
+        assert torch.isfinite(total)
+        total.backward()
+        assert torch.isfinite(x.grad).all()
+        assert (x.grad[~m] == 0).all()
+
+
+# --------------------------------------------------------------------------- group_normalize: grads, 16-bit
+
+
+def test_group_normalize_zero_spread_gradient_is_finite_and_gradcheck_passes():
+    from rollkit.ops import group_normalize
+
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0], requires_grad=True)
+    group_normalize(r, torch.tensor([0, 0, 1, 1]), 2).sum().backward()
+    assert torch.isfinite(r.grad).all(), r.grad
+    for unbiased in (True, False):
+        r = torch.tensor([3.0, 3.0, 5.0], dtype=torch.float64, requires_grad=True)
+        group_normalize(r, torch.tensor([0, 0, 1]), 2, unbiased=unbiased, eps=0.0).sum().backward()
+        assert torch.isfinite(r.grad).all()
+    # gradcheck of the informative rows next to a (fixed) constant group and singletons:
+    # groups 0 (3 rows), 1 and 3 (singletons), 2 (2 rows), 4 (constant, held fixed)
+    idx = torch.tensor([0, 0, 0, 1, 2, 2, 3, 4, 4])
+    fixed = torch.tensor([4.0, 4.0], dtype=torch.float64)
+    z = torch.tensor([0.3, -1.2, 2.0, 0.9, 4.0, 1.0, 2.5], dtype=torch.float64, requires_grad=True)
+    for unbiased, eps in ((True, 1e-6), (False, 0.0)):
+        assert torch.autograd.gradcheck(
+            lambda t, u=unbiased, e=eps: group_normalize(torch.cat([t, fixed]), idx, 5, unbiased=u, eps=e),
+            (z,),
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_segment_statistics_of_16bit_input_are_the_float32_result_rounded(dtype):
+    from rollkit.ops import group_normalize, segment_std
+
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.cat([torch.zeros(257, dtype=torch.long), torch.ones(3, dtype=torch.long)])
+    x = (torch.randn(idx.shape[0], generator=gen) + 8.0).to(dtype)
+    assert segment_count(idx, 2, torch.bfloat16).dtype == torch.bfloat16
+    for fn in (
+        lambda t: segment_sum(t, idx, 2),
+        lambda t: segment_mean(t, idx, 2),
+        lambda t: segment_var(t, idx, 2, unbiased=True),
+        lambda t: segment_std(t, idx, 2, unbiased=False),
+        lambda t: group_normalize(t, idx, 2),
+        lambda t: group_normalize(t, idx, 2, scale=False),
+    ):
+        got = fn(x)
+        assert got.dtype == dtype
+        want = fn(x.float()).to(dtype).float()
+        tol = torch.finfo(dtype).eps * want.abs() + torch.finfo(dtype).tiny
+        assert ((got.float() - want).abs() <= tol).all(), (got, want)

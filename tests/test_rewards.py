@@ -448,17 +448,49 @@ def test_reward_transforms_registered_with_keys():
     assert REWARD_TRANSFORMS.get("dapo_overlong") is overlong_penalty
 
 
-def test_group_level_is_the_shared_ops_routine_in_float64():
-    from rollkit.ops import group_index, group_normalize
+def _loop_group_normalize(r, g, *, unbiased, eps):
+    """Independent plain-Python reference: (r - mean_g) / (std_g + eps), 0 for a zero spread."""
+    vals = [float(v) for v in r.double()]
+    keys = [int(k) for k in g]
+    out = []
+    for v, k in zip(vals, keys):
+        grp = [x for x, kk in zip(vals, keys) if kk == k]
+        mean = math.fsum(grp) / len(grp)
+        denom = len(grp) - 1 if unbiased else len(grp)
+        std = math.sqrt(math.fsum((x - mean) ** 2 for x in grp) / max(denom, 1))
+        out.append(0.0 if max(grp) == min(grp) else (v - mean) / (std + eps))
+    return torch.tensor(out, dtype=torch.float64)
 
+
+def test_group_level_matches_a_plain_loop_in_float64():
     r = torch.tensor([0.3, 0.1, 0.1, 5.0, 2.5, 2.5, 2.5, -1.0])
     g = torch.tensor([4, 4, 4, 0, 9, 9, 9, 4])
-    idx, G = group_index(g)
     for unbiased, eps in ((True, 1e-6), (False, 0.0)):
-        want = group_normalize(r.double(), idx, G, unbiased=unbiased, eps=eps).float()
+        want = _loop_group_normalize(r, g, unbiased=unbiased, eps=eps)
         got = normalize_rewards(r, g, level="group", unbiased_std=unbiased, eps=eps)
-        assert torch.equal(got, want)
+        assert got.dtype == torch.float32
+        # computed in float64 and rounded once: within one float32 rounding of the reference
+        torch.testing.assert_close(got.double(), want, rtol=2**-24, atol=1e-12)
+        assert torch.equal(
+            got, normalize_rewards(r.double(), g, level="group", unbiased_std=unbiased, eps=eps).float()
+        )
     # singleton (5.0) and constant group (2.5 x 3): exactly 0, or exactly the mean
     assert normalize_rewards(r, g, level="group")[3:7].tolist() == [0.0] * 4
     kept = normalize_rewards(r, g, level="group", shift_mean=False)
     assert kept[3:7].tolist() == [5.0, 2.5, 2.5, 2.5]
+
+
+def test_normalize_rewards_zero_spread_gradients_are_finite():
+    for level, g in (("group", torch.tensor([0, 0, 1, 1])), ("batch", None)):
+        for r0 in ([1.0, 1.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]):
+            for eps in (1e-6, 0.0):
+                r = torch.tensor(r0, requires_grad=True)
+                normalize_rewards(r, g, level=level, eps=eps).sum().backward()
+                assert torch.isfinite(r.grad).all(), (level, r0, eps, r.grad)
+    # gradcheck next to a (fixed) constant group and a singleton
+    fixed = torch.tensor([3.0, 3.0], dtype=torch.float64)
+    gid = torch.tensor([0, 0, 0, 5, 7, 7])
+    z = torch.tensor([0.3, -1.2, 2.0, 0.9], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda t: normalize_rewards(torch.cat([t, fixed]), gid, level="group"), (z,)
+    )

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollkit.keys import SPECS
-from rollkit.testing import batches, group_ids, masks
+from rollkit.testing import batches, float_tensors, group_ids, masks
 from rollkit.validation import check_batch
 
 
@@ -55,3 +55,67 @@ def test_min_group_size(data):
     gids = data.draw(group_ids(9, min_group_size=3))
     counts = torch.unique(gids, return_counts=True)[1]
     assert (counts >= 3).all()
+
+
+def test_min_group_size_larger_than_the_batch_raises_naming_the_argument():
+    import pytest
+
+    @given(st.data())
+    def draw(data):
+        data.draw(group_ids(2, min_group_size=3))
+
+    with pytest.raises(ValueError, match="min_group_size: 3 is larger than the batch"):
+        draw()
+
+
+@given(batches(garbage_padding=True))
+def test_garbage_padding_puts_non_finite_values_only_under_the_mask(b):
+    m = b["response_mask"]
+    for key in (
+        "logprobs",
+        "old_logprobs",
+        "behavior_logprobs",
+        "ref_logprobs",
+        "values",
+        "advantages",
+        "token_rewards",
+    ):
+        x = b[key]
+        assert torch.isfinite(x[m]).all(), key
+        assert not torch.isfinite(x[~m]).any(), key
+    for key in ("rewards", "group_ids", "policy_version"):
+        assert torch.isfinite(b[key].double()).all()
+    check_batch(
+        {
+            k: torch.where(m, v, torch.zeros((), dtype=v.dtype))
+            if v.shape == m.shape and v.is_floating_point()
+            else v
+            for k, v in b.items()
+        },
+        list(b),
+    )
+
+
+def test_garbage_padding_reaches_nan_and_both_infinities():
+    seen = set()
+
+    @settings(max_examples=200, derandomize=True)
+    @given(st.data())
+    def probe(data):
+        m = data.draw(masks(3, 4))
+        x = data.draw(float_tensors((3, 4), mask=m, garbage_padding=True))
+        assert torch.isfinite(x[m]).all()
+        for v in x[~m].tolist():
+            seen.add("nan" if v != v else ("+inf" if v > 0 else "-inf"))
+
+    probe()
+    assert seen == {"nan", "+inf", "-inf"}
+    import pytest
+
+    with pytest.raises(ValueError, match="mask: garbage_padding=True needs a bool mask"):
+
+        @given(float_tensors((2,), garbage_padding=True))
+        def bad(x):
+            pass
+
+        bad()

@@ -161,3 +161,39 @@ def test_check_finite_under_mask():
         check_finite_under_mask("values", x, torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"^mask: shape \[2\] does not match values shape \[2, 2\]$"):
         check_finite_under_mask("values", x, torch.ones(2, dtype=torch.bool))
+
+
+def test_value_checks_is_per_thread():
+    """``value_checks(False)`` in one thread must not switch the checks off in another."""
+    import threading
+
+    from rollkit.validation import value_checks_enabled
+
+    inside, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker():
+        with value_checks(False):
+            seen["worker"] = value_checks_enabled()
+            inside.set()
+            release.wait(5)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    assert inside.wait(5)
+    try:
+        seen["main"] = value_checks_enabled()
+        with pytest.raises(ValueError, match="rewards: contains 1 NaN"):
+            check_finite("rewards", torch.tensor([float("nan")]))
+    finally:
+        release.set()
+        t.join()
+    assert seen == {"worker": False, "main": True}
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_group_ids_rejects_complex(dtype):
+    from rollkit.validation import check_group_ids
+
+    with pytest.raises(ValueError, match="group_ids: expected an integer tensor"):
+        check_group_ids("group_ids", torch.zeros(3, dtype=dtype))

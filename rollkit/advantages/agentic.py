@@ -24,6 +24,9 @@ Conventions shared by every function of this module:
 * Non-finite rewards raise ``ValueError``; so do duplicate ``(traj_id, step_index)`` pairs,
   non-integer ids, shape mismatches and a trajectory that claims two task groups.
 * An empty batch (``N = 0``) returns an empty tensor.
+* 16-bit (``float16`` / ``bfloat16``) inputs are computed in float32 and the result cast back;
+  the discount powers are built in float64. The estimators are differentiable in the rewards
+  (nothing detached) with finite gradients, also for constant and singleton groups.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollkit.advantages.gae import _discount_matrix, _matmul
 from rollkit.keys import (
     ADVANTAGES,
     EPISODE_RETURNS,
@@ -111,23 +115,24 @@ def _dense_layout(traj_ids: Tensor, step_index: Tensor) -> tuple[Tensor, int, Te
     return t_idx, num_traj, cell, num_steps
 
 
-def _discount_matrix(num_steps: int, gamma: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Discount matrix ``D[k, t] = gamma^(k - t)`` for ``k >= t``, else 0; ``[S, S]``."""
-    k = torch.arange(num_steps, device=device)
-    lag = k[:, None] - k[None, :]
-    powers = torch.pow(torch.tensor(gamma, dtype=dtype, device=device), lag.clamp(min=0).to(dtype))
-    return torch.where(lag >= 0, powers, torch.zeros((), dtype=dtype, device=device))
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _returns_from_layout(
     step_rewards: Tensor, cell: Tensor, num_traj: int, num_steps: int, gamma: float
 ) -> Tensor:
-    """Scatter into ``[num_traj, S]``, multiply by the discount matrix, gather back to ``[N]``."""
-    dense = torch.zeros(num_traj * num_steps, dtype=step_rewards.dtype, device=step_rewards.device)
-    dense = dense.index_put((cell,), step_rewards).view(num_traj, num_steps)
-    discount = _discount_matrix(num_steps, gamma, step_rewards.dtype, step_rewards.device)
-    returns = dense @ discount  # returns[:, t] = sum_k dense[:, k] * gamma^(k - t) [k >= t]
-    return returns.reshape(-1)[cell]
+    """Scatter into ``[num_traj, S]``, multiply by the discount matrix, gather back to ``[N]``.
+
+    In float64 for float64 input, else in float32 (16-bit inputs are upcast); the discount
+    matrix ``D[k, t] = gamma^(k - t) [k >= t]`` is built in float64 and cast, and the matmul
+    goes through the TF32 guard of :mod:`rollkit.advantages.gae` (float64 when TF32 is on).
+    """
+    work = torch.float64 if step_rewards.dtype == torch.float64 else torch.float32
+    dense = torch.zeros(num_traj * num_steps, dtype=work, device=step_rewards.device)
+    dense = dense.index_put((cell,), step_rewards.to(work)).view(num_traj, num_steps)
+    discount = _discount_matrix(num_steps, gamma, work, step_rewards.device)
+    returns = _matmul(dense, discount)  # returns[:, t] = sum_k dense[:, k] * gamma^(k - t) [k >= t]
+    return returns.reshape(-1).index_select(0, cell).to(step_rewards.dtype)
 
 
 # --------------------------------------------------------------------------- public API
@@ -308,6 +313,21 @@ def gigpo_advantages(
         check_finite("episode_returns", episode_returns)
     if n == 0:
         return step_rewards.clone()
+    if step_rewards.dtype in _HALF or (episode_returns is not None and episode_returns.dtype in _HALF):
+        return gigpo_advantages(  # computed in float32, cast back
+            step_rewards.float(),
+            traj_ids,
+            step_index,
+            group_ids,
+            state_ids,
+            None if episode_returns is None else episode_returns.float(),
+            gamma=gamma,
+            step_weight=step_weight,
+            norm=norm,
+            eps=eps,
+            unbiased_std=unbiased_std,
+            episode_stats=episode_stats,
+        ).to(step_rewards.dtype)
 
     t_idx, num_traj, cell, num_steps = _dense_layout(traj_ids, step_index)
     g_idx, num_groups = group_index(group_ids)
@@ -325,10 +345,15 @@ def gigpo_advantages(
         a_traj = group_normalize(
             traj_return, traj_group, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
         )
-        a_episode = a_traj[t_idx]
+        a_episode = a_traj.index_select(0, t_idx)
     else:
         a_episode = group_normalize(
-            traj_return[t_idx], g_idx, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
+            traj_return.index_select(0, t_idx),
+            g_idx,
+            num_groups,
+            scale=norm == "std",
+            unbiased=unbiased_std,
+            eps=eps,
         )
 
     if step_weight == 0:
@@ -399,13 +424,25 @@ def starpo_advantages(
     check_finite("traj_returns", traj_returns)
     if traj_returns.shape[0] == 0:
         return traj_returns.clone()
+    if traj_returns.dtype in _HALF:  # computed in float32, cast back
+        return starpo_advantages(
+            traj_returns.float(),
+            group_ids,
+            norm=norm,
+            eps=eps,
+            unbiased_std=unbiased_std,
+            min_std=min_std,
+            clip=clip,
+        ).to(traj_returns.dtype)
     g_idx, num_groups = group_index(group_ids)
     adv = group_normalize(
         traj_returns, g_idx, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
     )
     if norm == "std" and min_std > 0:
         std = segment_std(traj_returns, g_idx, num_groups, unbiased=unbiased_std)
-        adv = torch.where((std <= min_std)[g_idx], torch.zeros((), dtype=adv.dtype, device=adv.device), adv)
+        adv = torch.where(
+            (std <= min_std).index_select(0, g_idx), torch.zeros((), dtype=adv.dtype, device=adv.device), adv
+        )
     if clip is not None:
         adv = adv.clamp(min=clip[0], max=clip[1])
     return adv

@@ -104,15 +104,25 @@ class _Layout(NamedTuple):
     n_valid: Tensor  # [B] int64 number of valid tokens per row
 
 
+def _mask_is_cheap_to_read(mask: Tensor) -> bool:
+    """Reading a CPU tensor's values is free; elsewhere it synchronises with the host."""
+    return mask.device.type == "cpu"
+
+
 def _layout(mask: Tensor) -> _Layout:
     """Stable partition of each row: valid tokens first (in order), then masked ones.
 
     Fast path: if no row has a hole (every row is a right-padded prefix, the usual single-turn
-    case) the compaction is the identity and no index is built. Temporaries are updated in
-    place: on CPU, fresh multi-MB allocations (page faults) cost more than the arithmetic.
+    case) the compaction is the identity and no index is built. Deciding that reads the mask,
+    which is free on CPU but a host synchronisation on an accelerator, so it is only done on
+    CPU: elsewhere the general path (also exact for right-padded rows) always runs. Temporaries
+    are updated in place: on CPU, fresh multi-MB allocations (page faults) cost more than the
+    arithmetic.
     """
     T = mask.shape[1]
-    if T <= 1 or not bool(torch.gt(mask[:, 1:], mask[:, :-1]).any()):  # no False -> True step
+    if T <= 1 or (
+        _mask_is_cheap_to_read(mask) and not bool(torch.gt(mask[:, 1:], mask[:, :-1]).any())
+    ):  # no False -> True step
         return _Layout(mask, None, None, mask.sum(dim=1))
     # cumsum in int32 (a bool -> int64 cumsum is ~10x slower on CPU), then int64 indices
     count = mask.cumsum(dim=1, dtype=torch.int32 if T < 2**31 - 1 else torch.int64).long()
@@ -229,7 +239,7 @@ def _reinforce_pp_core(
     gamma: float,
     whiten: bool,
     eps: float,
-    unbiased: bool,
+    unbiased_std: bool,
     chunk_size: int,
 ) -> Tensor:
     lay = _layout(mask)
@@ -244,7 +254,7 @@ def _reinforce_pp_core(
     returns = _expand(_dense_reverse_scan(z, float(gamma), chunk_size), lay).to(dtype)
     if not whiten:
         return returns
-    return masked_whiten(returns, mask, unbiased=unbiased, eps=eps)
+    return masked_whiten(returns, mask, unbiased=unbiased_std, eps=eps)
 
 
 # --------------------------------------------------------------------------- public API
@@ -438,7 +448,7 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     whiten: bool = True,
     eps: float = 1e-8,
-    unbiased: bool = False,
+    unbiased_std: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Tensor:  # [B, T] advantages, 0 where mask is False
     r"""REINFORCE++ advantages (Hu, 2025, arXiv:2501.03262): a critic-free, token-level return
@@ -449,11 +459,13 @@ def reinforce_pp_advantages(
         A_t = (G_t - mean(G)) / sqrt(var(G) + eps)                  (over all valid tokens of the batch)
 
     ``var`` is the biased (``/ n``) variance by default, as in OpenRLHF's reference
-    implementation (``unbiased=True`` gives verl's ``/ (n - 1)``). Unlike GRPO/RLOO there is
+    implementation (``unbiased_std=True`` gives verl's ``/ (n - 1)``). Unlike GRPO/RLOO there is
     no per-prompt baseline (see :func:`reinforce_pp_baseline_advantages`); unlike GAE no critic.
     Masked tokens are skipped (no step, no KL, output 0). A row without valid tokens drops its
     reward. With ``whiten=True`` an all-False ``mask`` raises ``ValueError``; a single valid
-    token (zero variance) gets advantage 0.
+    token in the whole batch (zero variance) gets advantage 0 with the default
+    ``unbiased_std=False``, while ``unbiased_std=True`` raises ``ValueError`` (an ``n - 1``
+    variance needs two tokens).
 
     Args:
         rewards: ``[B]`` float sequence rewards.
@@ -463,7 +475,8 @@ def reinforce_pp_advantages(
         gamma: discount in ``[0, 1]``.
         whiten: whiten the returns over all valid tokens of the batch.
         eps: added to the variance before the square root.
-        unbiased: divide the variance by ``n - 1`` instead of ``n``.
+        unbiased_std: divide the variance by ``n - 1`` instead of ``n`` (named as the
+            ``unbiased_std`` of the other estimators).
 
     Returns:
         ``[B, T]`` advantages.
@@ -479,7 +492,7 @@ def reinforce_pp_advantages(
     """
     _check_seq_inputs(rewards, mask, kl, kl_coef, gamma, eps)
     _check_chunk_size(chunk_size)
-    return _reinforce_pp_core(rewards, mask, kl, kl_coef, gamma, whiten, eps, unbiased, chunk_size)
+    return _reinforce_pp_core(rewards, mask, kl, kl_coef, gamma, whiten, eps, unbiased_std, chunk_size)
 
 
 @ADVANTAGE_ESTIMATORS.register(
@@ -498,7 +511,7 @@ def reinforce_pp_baseline_advantages(
     gamma: float = 1.0,
     whiten: bool = True,
     eps: float = 1e-8,
-    unbiased: bool = False,
+    unbiased_std: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Tensor:  # [B, T] advantages, 0 where mask is False
     r"""REINFORCE++-baseline (Hu, 2025, arXiv:2501.03262; OpenRLHF's ``reinforce_baseline``):
@@ -522,7 +535,7 @@ def reinforce_pp_baseline_advantages(
 
     Args:
         rewards: ``[B]`` float. group_ids: ``[B]`` int. mask: ``[B, T]`` bool.
-        kl, kl_coef, gamma, whiten, eps, unbiased: as in :func:`reinforce_pp_advantages`.
+        kl, kl_coef, gamma, whiten, eps, unbiased_std: as in :func:`reinforce_pp_advantages`.
 
     Returns:
         ``[B, T]`` advantages.
@@ -542,5 +555,5 @@ def reinforce_pp_baseline_advantages(
     # float64 centring: a constant group gives exactly 0 (in float32 the round-off of its mean,
     # ~1e-7, would be amplified ~1e4x by whitening with eps = 1e-8)
     r64 = rewards.double()
-    centred = (r64 - segment_mean(r64, index, n_groups)[index]).to(rewards.dtype)
-    return _reinforce_pp_core(centred, mask, kl, kl_coef, gamma, whiten, eps, unbiased, chunk_size)
+    centred = (r64 - segment_mean(r64, index, n_groups).index_select(0, index)).to(rewards.dtype)
+    return _reinforce_pp_core(centred, mask, kl, kl_coef, gamma, whiten, eps, unbiased_std, chunk_size)

@@ -23,6 +23,13 @@ Conventions shared by all estimators (see ``docs/advantages.md`` for the table):
 * **singletons**: a group of one sample has advantage 0 for every group-baseline estimator
   (its mean is itself; leave-one-out has no other member); an unbiased (``n - 1``) std of a
   single sample is treated as 0 spread.
+* **precision**: 16-bit (``float16`` / ``bfloat16``) rewards are computed in float32 and the
+  advantages cast back; counts are never held in 16 bits.
+* **gradients**: the estimators are differentiable in ``rewards`` (nothing is detached, for
+  reward models trained through the advantage) and their gradients are finite everywhere:
+  where the spread is exactly 0 (constant group, singleton, constant batch) the advantage and
+  its gradient are those of the unscaled ``r - b`` (a convention: the scaled map has no
+  derivative there). Detach the rewards if no gradient should flow.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from torch import Tensor
 
 from rollkit.keys import ADVANTAGES, GREEDY_REWARDS, GROUP_IDS, RESPONSE_LENGTH, REWARDS
 from rollkit.ops import (
+    _safe_sqrt,
     group_index,
     group_normalize,
     segment_count,
@@ -80,6 +88,9 @@ def _check_outcome(rewards: Tensor, group_ids: Tensor) -> None:
         raise ValueError(f"group_ids: on device {group_ids.device} but rewards is on {rewards.device}")
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _take(stat: Tensor, index: Tensor) -> Tensor:
     """``stat[index]`` for a ``[G]`` statistic and ``[B]`` dense group index.
 
@@ -111,7 +122,7 @@ class _Groups:
     def std(self, *, unbiased: bool) -> Tensor:
         """``[G]`` std of each group; ``n - 1 <= 0`` (unbiased singleton) gives 0."""
         denom = (self.count - 1) if unbiased else self.count
-        return (self.ss / denom.clamp(min=1)).sqrt()
+        return _safe_sqrt(self.ss / denom.clamp(min=1))
 
 
 def _batch_std(rewards: Tensor, *, unbiased: bool) -> Tensor:
@@ -121,12 +132,14 @@ def _batch_std(rewards: Tensor, *, unbiased: bool) -> Tensor:
     d = rewards - rewards.min()
     e = d - d.mean()
     denom = max(rewards.numel() - (1 if unbiased else 0), 1)
-    return (e.square().sum() / denom).sqrt()
+    return _safe_sqrt(e.square().sum() / denom)
 
 
 def _scale(adv: Tensor, std: Tensor, eps: float) -> Tensor:
-    """``adv / (std + eps)`` where ``std > 0``; ``adv`` unchanged where the spread is exactly 0."""
-    return torch.where(std > 0, adv / (std + eps), adv)
+    """``adv / (std + eps)`` where ``std > 0``; ``adv`` unchanged where the spread is exactly 0
+    (the divisor is 1 there, so that ``eps = 0`` puts no ``0 / 0`` into the backward pass)."""
+    pos = std > 0
+    return torch.where(pos, adv / torch.where(pos, std + eps, torch.ones_like(std)), adv)
 
 
 # --------------------------------------------------------------------------- GRPO family
@@ -209,6 +222,17 @@ def grpo_advantages(
         raise ValueError("loo_std: needs leave_one_out=True and std_level='group'")
     if rewards.numel() == 0:
         return rewards.clone()
+    if rewards.dtype in _HALF:  # computed in float32, cast back
+        return grpo_advantages(
+            rewards.float(),
+            group_ids,
+            mean_level=mean_level,
+            std_level=std_level,
+            unbiased_std=unbiased_std,
+            eps=eps,
+            leave_one_out=leave_one_out,
+            loo_std=loo_std,
+        ).to(rewards.dtype)
 
     index, num = group_index(group_ids)
     if mean_level == "group" and not leave_one_out and std_level != "batch":  # GRPO, Dr.GRPO
@@ -240,7 +264,7 @@ def grpo_advantages(
     n, e = grp.n, grp.centred
     ss_others = (_take(grp.ss, grp.index) - e.square() * n / (n - 1).clamp(min=1)).clamp(min=0)
     denom = (n - 2) if unbiased_std else (n - 1)
-    std_others = (ss_others / denom.clamp(min=1)).sqrt()
+    std_others = _safe_sqrt(ss_others / denom.clamp(min=1))
     # Exact zero spread when the others are all equal (tolerance-free, from counts of min/max).
     r = rewards
     at_min = (r == _take(grp.rmin, grp.index)).to(r.dtype)
@@ -369,6 +393,8 @@ def opo_advantages(
         raise ValueError(f"lengths: must be > 0, got {int((w <= 0).sum())} non-positive value(s)")
     if rewards.numel() == 0:
         return rewards.clone()
+    if rewards.dtype in _HALF:  # computed in float32, cast back
+        return opo_advantages(rewards.float(), group_ids, lengths).to(rewards.dtype)
     index, num = group_index(group_ids)
     d = rewards - _take(segment_min(rewards, index, num), index)  # exactly 0 in constant groups
     baseline = segment_sum(w * d, index, num) / segment_sum(w, index, num)
@@ -406,11 +432,16 @@ def gpg_advantages(
     check_positive("eps", eps, allow_zero=True)
     if rewards.numel() == 0:
         return rewards.clone()
+    if rewards.dtype in _HALF:  # computed in float32, cast back
+        return gpg_advantages(
+            rewards.float(), group_ids, normalize_std=normalize_std, unbiased_std=unbiased_std, eps=eps
+        ).to(rewards.dtype)
     index, num = group_index(group_ids)
     adv = group_normalize(rewards, index, num, scale=normalize_std, unbiased=unbiased_std, eps=eps)
     constant = segment_min(rewards, index, num) == segment_max(rewards, index, num)  # [G]
     num_b = rewards.shape[0]
-    num_m = segment_count(index, num, rewards.dtype)[constant].sum()
+    # a product, not a boolean-mask index (which would synchronise with the host)
+    num_m = (segment_count(index, num, rewards.dtype) * constant).sum()
     alpha = torch.where(num_m < num_b, num_b / (num_b - num_m).clamp(min=1), torch.ones_like(num_m))
     return adv * alpha
 
@@ -479,7 +510,7 @@ def passk_advantages(
     wrong = count - correct
     kk = torch.full_like(count, float(k))
     mean = 1.0 - _comb_ratio(wrong, count, kk)  # [G]
-    std = (mean * (1.0 - mean)).clamp(min=0).sqrt()
+    std = _safe_sqrt((mean * (1.0 - mean)).clamp(min=0))
     # C(N-c-1, k-1) / C(N-1, k-1): chance that the other k-1 of a subset holding a given wrong
     # sample are all wrong
     tail = _comb_ratio((wrong - 1).clamp(min=0), count - 1, kk - 1)
@@ -514,5 +545,7 @@ def rebn_advantages(
     check_positive("eps", eps, allow_zero=True)
     if rewards.numel() == 0:
         return rewards.clone()
+    if rewards.dtype in _HALF:  # computed in float32, cast back
+        return rebn_advantages(rewards.float(), unbiased_std=unbiased_std, eps=eps).to(rewards.dtype)
     d = rewards - rewards.min()
     return _scale(d - d.mean(), _batch_std(rewards, unbiased=unbiased_std), eps)
