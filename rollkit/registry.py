@@ -156,10 +156,18 @@ class Registry:
         return decorator(fn) if fn is not None else decorator
 
     def _load(self) -> None:
-        if not self._loaded:
-            self._loaded = True
+        # ``_loading`` guards against re-entry while the modules import (they register into
+        # this registry); ``_loaded`` is only set once every import succeeded, so a failed
+        # import raises again on the next call instead of leaving an empty registry.
+        if self._loaded or getattr(self, "_loading", False):
+            return
+        self._loading = True
+        try:
             for m in self._modules:
                 importlib.import_module(m)
+        finally:
+            self._loading = False
+        self._loaded = True
 
     def entry(self, name: str) -> Entry:
         """The :class:`Entry` registered under ``name`` (or an alias of it)."""

@@ -237,3 +237,34 @@ def test_every_registered_policy_loss_as_loss_module(name):
     direct = entry.fn(**{a: batch[k] for a, k in entry.in_keys.items()})
     torch.testing.assert_close(out["loss_objective"], aggregate(direct.loss, mask, "seq-mean-token-mean"))
     assert set(out.keys()) == {"loss_objective", *direct.metrics}
+
+
+def test_documented_hyper_parameters_are_real_and_the_example_runs():
+    """The module docstring's example uses ``ppo``'s real hyper-parameters and is executed
+    (no ``+SKIP``); a made-up one (``clip_eps``) is rejected."""
+    import doctest
+    import re
+
+    doc = rt.__doc__
+    assert "+SKIP" not in doc and "clip_eps" not in doc
+    init_doc = rt.RollkitLossModule.__init__.__doc__ or rt.RollkitLossModule.__doc__
+    assert "clip_eps" not in init_doc
+    for kw in re.findall(r"(\w+)=[\d.]+", doc):
+        if kw.startswith("clip"):
+            assert kw in ppo_clip.__code__.co_varnames, kw
+    test = doctest.DocTestParser().get_doctest(doc, {}, "torchrl-doc", None, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries > 5
+    with pytest.raises(Exception, match="clip_eps"):
+        loss_fn = rt.RollkitLossModule(None, "ppo", clip_eps=0.2)
+        td = TensorDict(
+            {
+                "logprobs": torch.zeros(1, 2),
+                "old_logprobs": torch.zeros(1, 2),
+                "advantages": torch.ones(1),
+                "response_mask": torch.ones(1, 2, dtype=torch.bool),
+            },
+            batch_size=[1],
+        )
+        loss_fn(td)

@@ -267,3 +267,62 @@ def test_finite_and_matches_direct_formula(b, mode):
     else:
         ref = s.sum() / (seqs * 8) if seqs else torch.tensor(0.0)
     assert math.isclose(float(out), float(ref), rel_tol=1e-5, abs_tol=1e-5)
+
+
+# --------------------------------------------------------------------------- host synchronisations
+
+
+class _SyncCounter:
+    """Counts the host reads of tensor data (``bool`` / ``float`` / ``int`` / ``item``)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        for meth in ("__bool__", "__float__", "__int__", "item", "tolist"):
+            real = getattr(torch.Tensor, meth)
+
+            def counted(self_, *a, _real=real, **k):
+                self.n += 1
+                return _real(self_, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, meth, counted)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_aggregate_syncs_at_most_once_and_never_without_value_checks(mode, monkeypatch):
+    w = torch.tensor([1.0, 2.0, 0.5])
+    norms = global_normalizers(MASK, w)
+    counter = _SyncCounter(monkeypatch)
+    aggregate(LOSS, MASK, mode, weights=w, **norms)
+    assert counter.n <= 1, counter.n
+    counter.n = 0
+    with value_checks(False):
+        aggregate(LOSS, MASK, mode, weights=w, **norms)
+        global_normalizers(MASK, w)
+    assert counter.n == 0, counter.n
+
+
+def test_aggregate_runs_on_meta_tensors_without_value_checks():
+    """No data is read at all: meta tensors (which have none) go through."""
+    mask = torch.ones(3, 5, dtype=torch.bool, device="meta")
+    loss = torch.zeros(3, 5, device="meta")
+    w = torch.ones(3, device="meta")
+    with value_checks(False):
+        for mode in AGGREGATION_MODES:
+            aggregate(loss, mask, mode, weights=w, **global_normalizers(mask, w))
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"num_tokens": torch.tensor(-2.0)}, "num_tokens: must be finite and >= 0, got -2.0"),
+        ({"num_seqs": torch.tensor(float("nan")), "mode": "seq-mean-token-sum"}, "num_seqs: must be finite"),
+        ({"weights": torch.tensor([1.0, float("inf"), 1.0])}, "weights: contains 0 NaN and 1 inf"),
+    ],
+)
+def test_deferred_value_checks_keep_their_messages(kwargs, pattern):
+    kwargs = dict(kwargs)
+    mode = kwargs.pop("mode", "token-mean")
+    with pytest.raises(ValueError, match=pattern):
+        aggregate(LOSS, MASK, mode, **kwargs)
+    with value_checks(False):
+        aggregate(LOSS, MASK, mode, **kwargs)  # not checked

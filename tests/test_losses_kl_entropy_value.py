@@ -444,3 +444,86 @@ def test_losses_finite_with_fully_masked_rows(b):
     total.backward()
     assert torch.isfinite(total) and torch.isfinite(lp.grad).all()
     assert (lp.grad[0] == 0).all()
+
+
+# =========================================================================== review fixes
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k1+", "k3+"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kl_loss_half_precision_gradient_is_finite_and_float32(estimator, dtype):
+    """fp16 exp(log r) overflows above ~11.1: the KL must be computed in float32."""
+    from rollkit.losses import aggregate
+
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    lp = torch.tensor([[-13.0, -1.0]], dtype=dtype, requires_grad=True)
+    ref = torch.tensor([[-0.5, -1.2]], dtype=dtype)
+    out = kl_loss(lp, ref, mask, coef=0.1, estimator=estimator)
+    assert out.loss.dtype == torch.float32
+    aggregate(out.loss, mask).backward()
+    assert torch.isfinite(lp.grad).all(), lp.grad
+    # equals the float32 computation on the same (rounded) values
+    lp32 = lp.detach().float().requires_grad_(True)
+    ref_out = kl_loss(lp32, ref.float(), mask, coef=0.1, estimator=estimator)
+    assert torch.allclose(out.loss, ref_out.loss, rtol=1e-6, atol=1e-7)
+    aggregate(ref_out.loss, mask).backward()
+    assert torch.allclose(lp.grad.float(), lp32.grad, rtol=2**-7, atol=1e-6)
+
+
+def test_kl_k3_half_precision_stays_finite():
+    lp = torch.tensor([-13.0, -1.0], dtype=torch.float16, requires_grad=True)
+    ref = torch.tensor([-0.5, -1.2], dtype=torch.float16)
+    k = kl_k3(lp, ref)
+    assert k.dtype == torch.float16 and torch.isfinite(k).all()
+    k.sum().backward()
+    assert torch.isfinite(lp.grad).all(), lp.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_regularizers_and_value_loss_return_float32_for_half_inputs(dtype):
+    mask = torch.tensor([[True, True, False]])
+    x = torch.tensor([[-1.0, -2.0, -0.5]], dtype=dtype)
+    y = torch.tensor([[-1.5, -1.0, -0.25]], dtype=dtype)
+    assert kl_loss(x, y, mask).loss.dtype == torch.float32
+    assert kl_penalty(x, y, mask, coef=0.1).dtype == torch.float32
+    assert entropy_bonus(-x, mask).loss.dtype == torch.float32
+    out = value_loss(x, y, x * 0.5, mask)
+    assert out.loss.dtype == torch.float32
+    assert torch.allclose(out.loss, value_loss(x.float(), y.float(), (x * 0.5).float(), mask).loss)
+
+
+def test_targets_and_reference_get_no_gradient():
+    mask = torch.tensor([[True, True, False]])
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.25]], requires_grad=True)
+    for est in ("k1", "k2", "k3", "k1+", "k3+"):
+        kl_loss(lp, ref, mask, estimator=est).loss.sum().backward()
+        kl_penalty(lp, ref, mask, coef=0.1, estimator=est).sum().backward()
+    assert ref.grad is None and lp.grad is not None
+    v = torch.tensor([[1.0, 0.0, 2.0]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.5, 0.5]], requires_grad=True)
+    ret = torch.tensor([[0.0, 1.0, 3.0]], requires_grad=True)
+    for clip in (0.2, None):
+        value_loss(v, old, ret, mask, clip_range=clip).loss.sum().backward()
+    assert old.grad is None and ret.grad is None and v.grad is not None
+
+
+def test_entropy_nan_and_pos_inf_logits_propagate_all_neg_inf_is_zero():
+    inf = float("inf")
+    logits = torch.tensor(
+        [
+            [0.0, 1.0, float("nan")],
+            [0.0, inf, 1.0],
+            [-inf, -inf, -inf],
+            [0.0, -inf, 0.0],
+        ],
+        requires_grad=True,
+    )
+    for fn in (entropy_from_logits, lambda z: entropy_from_logits_chunked(z, chunk_size=2)):
+        h = fn(logits)
+        assert torch.isnan(h[0]) and torch.isnan(h[1]), h
+        assert h[2] == 0.0
+        assert torch.allclose(h[3], torch.tensor(math.log(2.0)))
+        logits.grad = None
+        h[2:].sum().backward()
+        assert torch.isfinite(logits.grad).all()

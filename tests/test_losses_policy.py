@@ -433,9 +433,10 @@ def test_finite_and_zero_outside_mask_for_any_finite_input(b):
             assert v.ndim == 0 and torch.isfinite(v), (name, k)
 
 
-@_PROPS
-@given(batches(), st.floats(-5.0, 5.0))
-def test_values_outside_the_mask_are_ignored(b, junk):
+_JUNK = st.floats(-5.0, 5.0) | st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+def _check_values_outside_the_mask_are_ignored(b, junk):
     mask = b["response_mask"]
     base = {k: v for k, v in b.items()}
     moved = dict(b)
@@ -443,11 +444,45 @@ def test_values_outside_the_mask_are_ignored(b, junk):
         moved[k] = torch.where(mask, b[k], torch.full_like(b[k], junk))
     lp_moved = torch.where(mask, b["logprobs"], torch.full_like(b["logprobs"], junk))
     for name, fn, extra in _LOSSES:
-        a = _call(fn, extra, b["logprobs"], base)
-        c = _call(fn, extra, lp_moved, moved)
+        lp_a = b["logprobs"].clone().requires_grad_(True)
+        lp_c = lp_moved.clone().requires_grad_(True)
+        a = _call(fn, extra, lp_a, base)
+        c = _call(fn, extra, lp_c, moved)
         assert torch.equal(a.loss, c.loss), name
         for k in a.metrics:
             assert torch.allclose(a.metrics[k], c.metrics[k], rtol=1e-6, atol=1e-7), (name, k)
+        a.loss.sum().backward()
+        c.loss.sum().backward()
+        assert torch.isfinite(lp_c.grad).all(), (name, junk, lp_c.grad)
+        assert torch.all(lp_c.grad[~mask] == 0), name
+        assert torch.allclose(lp_a.grad, lp_c.grad, rtol=1e-6, atol=1e-7), name
+
+
+@_PROPS
+@given(batches(), _JUNK)
+def test_values_outside_the_mask_are_ignored(b, junk):
+    """Any value (NaN / inf included) under the mask, in every input, reaches neither the
+    loss, nor the metrics, nor the gradient of ``logprobs``."""
+    _check_values_outside_the_mask_are_ignored(b, junk)
+
+
+@pytest.mark.parametrize("junk", [math.nan, math.inf, -math.inf])
+def test_nan_and_inf_outside_the_mask_never_reach_the_gradient(junk):
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 6
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[0] = False  # an empty row
+    mask[1, 0] = True
+    lp = -torch.rand(B, T, generator=g) * 3
+    near = lambda: (lp + 0.5 * torch.randn(B, T, generator=g)).clamp(max=0.0)  # noqa: E731
+    b = {
+        "response_mask": mask,
+        "logprobs": lp,
+        "old_logprobs": near(),
+        "behavior_logprobs": near(),
+        "advantages": torch.where(mask, torch.randn(B, 1, generator=g).expand(B, T), torch.zeros(())),
+    }
+    _check_values_outside_the_mask_are_ignored(b, junk)
 
 
 @_PROPS
@@ -654,3 +689,64 @@ def test_registered_losses_run_on_a_tensordict():
         # optional keyword tensors (ppo's is_weights) whose key is absent get their default
         direct = fn(**{arg: batch[key] for arg, key in keys.items() if key in batch})
         assert torch.equal(out["loss"], direct.loss), name
+
+
+# --------------------------------------------------------------------------- review fixes
+
+
+def _registered_policy_losses():
+    """Every registered policy loss (default hyper-parameters), plus topr at token level."""
+    out = []
+    for name in POLICY_LOSSES.names():
+        entry = POLICY_LOSSES.entry(name)
+        out.append((name, entry.fn, "behavior_logprobs" in entry.in_keys))
+    out.append(("topr-token", lambda *a, **k: topr(*a, level="token", **k), False))
+    return out
+
+
+@_PROPS
+@given(batches(allow_empty_rows=True))
+def test_sequence_and_broadcast_token_advantages_give_identical_results(b):
+    """``[B]`` advantages and the same values broadcast to ``[B, T]`` are the same input."""
+    mask = b["response_mask"]
+    B, T = mask.shape
+    adv_seq = b["advantages"].sum(-1) / mask.sum(-1).clamp(min=1)  # constant per row
+    b_seq = {**b, "advantages": adv_seq}
+    b_tok = {**b, "advantages": adv_seq[:, None].expand(B, T).contiguous()}
+    for name, fn, extra in _registered_policy_losses():
+        s, t = _call(fn, extra, b["logprobs"], b_seq), _call(fn, extra, b["logprobs"], b_tok)
+        assert torch.allclose(s.loss, t.loss, rtol=1e-5, atol=1e-6), name
+        assert s.metrics.keys() == t.metrics.keys(), name
+        for k in s.metrics:
+            assert torch.allclose(s.metrics[k], t.metrics[k], rtol=1e-5, atol=1e-6), (name, k)
+
+
+def test_topr_token_level_metrics_with_sequence_advantages():
+    lp = torch.full((1, 4), -1.0)
+    old = torch.full((1, 4), -0.5)
+    m = torch.tensor([[True, True, True, False]])
+    for adv in (torch.tensor([-1.0]), torch.full((1, 4), -1.0)):
+        met = topr(lp, old, adv, m, level="token").metrics
+        assert torch.allclose(met["truncated_frac"], torch.tensor(1.0)), (adv.shape, met)
+        assert torch.allclose(met["is_weight_mean"], torch.tensor(math.exp(-0.5))), (adv.shape, met)
+        assert torch.allclose(met["positive_frac"], torch.tensor(0.0)), (adv.shape, met)
+
+
+def test_approx_kl_and_ratio_mean_are_accurate_near_on_policy():
+    """No catastrophic cancellation: float32 metrics match a float64 reference."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 128, 4096
+    mask = torch.rand(B, T, generator=g) < 0.5
+    old = -torch.rand(B, T, generator=g) * 4
+    lr = torch.randn(B, T, generator=g) * 1e-3
+    lp = old + lr
+    lr64 = torch.where(mask, lp.double() - old.double(), torch.zeros((), dtype=torch.float64))
+    n = mask.sum()
+    kl_ref = (torch.expm1(lr64) - lr64).sum() / n
+    ratio_ref = 1 + torch.expm1(lr64).sum() / n
+    for name, fn, extra in _LOSSES:
+        if name in ("vanilla-pg", "gpg"):
+            continue
+        met = fn(lp, old, torch.ones(B), mask, *([old] if extra else [])).metrics
+        assert abs(met["approx_kl"].double() - kl_ref) / kl_ref < 1e-3, (name, met["approx_kl"], kl_ref)
+        assert abs(met["ratio_mean"].double() - ratio_ref) < 1e-6, (name, met["ratio_mean"], ratio_ref)

@@ -87,3 +87,33 @@ def test_loss_term_registries_are_registered_with_metadata():
     assert REGISTRIES["policy_loss"].entry("ppo").in_keys["is_weights"] == "is_weights"
     assert REGISTRIES["aggregation"].entry("seq-mean-token-sum").in_keys["weights"] == "sample_weights"
     assert REGISTRIES["is_correction"].entry("rollout-is").in_keys["logprobs"] == "old_logprobs"
+
+
+def test_failed_import_is_not_cached_as_an_empty_registry():
+    reg = Registry("widget", ["rollkit_no_such_module_for_tests"])
+    with pytest.raises(ModuleNotFoundError):
+        reg.names()
+    with pytest.raises(ModuleNotFoundError):  # the second call imports again, and fails again
+        reg.get("anything")
+    with pytest.raises(ModuleNotFoundError):
+        "x" in reg  # noqa: B015
+
+
+def test_registry_loads_after_a_transient_import_failure(monkeypatch):
+    import importlib
+
+    reg = Registry("widget", ["rollkit.losses"])
+    real = importlib.import_module
+    calls = []
+
+    def flaky(name, *a, **k):
+        calls.append(name)
+        if len(calls) == 1:
+            raise ImportError("transient")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", flaky)
+    with pytest.raises(ImportError):
+        reg.names()
+    reg.register("w", lambda: 1)
+    assert reg.names() == ["w"] and len(calls) == 2

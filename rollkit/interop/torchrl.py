@@ -21,9 +21,23 @@ torchrl is an optional dependency (``pip install 'rollkit[torchrl]'``); it is im
     ...         logits = self.head(self.emb(prev_tokens))
     ...         return logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
     >>> actor = TensorDictModule(TokenLogProbs(), in_keys=["prev_tokens", "tokens"], out_keys=["logprobs"])
-    >>> loss_fn = RollkitLossModule(actor, "ppo", aggregation="token-mean", clip_eps=0.2)  # doctest: +SKIP
-    >>> out = loss_fn(batch)                                                               # doctest: +SKIP
-    >>> out["loss_objective"].backward()                                                   # doctest: +SKIP
+    >>> loss_fn = RollkitLossModule(actor, "ppo", aggregation="token-mean", clip_low=0.2, clip_high=0.28)
+    >>> g = torch.Generator().manual_seed(0)
+    >>> tokens = torch.randint(0, 5, (3, 4), generator=g)
+    >>> batch = TensorDict(
+    ...     {
+    ...         "prev_tokens": tokens.roll(1, dims=-1),
+    ...         "tokens": tokens,
+    ...         "old_logprobs": torch.full((3, 4), -1.6),
+    ...         "advantages": torch.tensor([1.0, -0.5, 0.0]),
+    ...         "response_mask": torch.tensor([[True] * 4, [True, True, False, False], [True] * 4]),
+    ...     },
+    ...     batch_size=[3],
+    ... )
+    >>> out = loss_fn(batch)
+    >>> out["loss_objective"].shape, "clip_frac" in out.keys()
+    (torch.Size([]), True)
+    >>> out["loss_objective"].backward()
 
 (the full, runnable example is in ``docs/tensordict.md`` and ``tests/test_interop_torchrl.py``).
 """
@@ -105,7 +119,8 @@ def _build_class() -> type:
                 ``module.aggregation_kwargs = {...}`` to change them between steps.
             in_keys: ``{argument name: standard key}`` overriding the policy loss's registered
                 keys (the standard key is then mapped through ``tensor_keys``).
-            **hyper: the policy loss's hyper-parameters (``clip_eps=0.2``...).
+            **hyper: the policy loss's hyper-parameters (``clip_low=0.2, clip_high=0.28`` for
+                ``"ppo"``...).
 
         Keys (``set_keys``): every standard key of :mod:`rollkit.keys` is an accepted key,
         defaulting to itself: ``logprobs``, ``old_logprobs``, ``behavior_logprobs``,

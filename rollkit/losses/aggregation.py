@@ -63,16 +63,44 @@ AGGREGATION_MODES: tuple[str, ...] = (
 )
 
 
-def _check_weights(weights: Tensor, batch: int) -> None:
+def _check_weights(weights: Tensor, batch: int, *, defer: list | None = None) -> None:
+    """Metadata checks of ``weights``; the data checks (finite, ``>= 0``) only when
+    :func:`~rollkit.validation.value_checks_enabled`, as one device-side flag: appended to
+    ``defer`` (checked with the others in one synchronisation) or checked at once."""
     check_float("weights", weights)
     check_shape("weights", weights, [batch])
+    if not value_checks_enabled():
+        return
+    bad = (~(torch.isfinite(weights) & (weights >= 0))).any()
+    if defer is None:
+        _raise_if_bad([(bad, lambda: _explain_weights(weights))])
+    else:
+        defer.append((bad, lambda: _explain_weights(weights)))
+
+
+def _explain_weights(weights: Tensor) -> None:
+    """Raise the detailed error for weights known to be bad (the slow path)."""
     check_finite("weights", weights)
-    if value_checks_enabled() and bool((weights < 0).any()):
-        raise ValueError(f"weights: must be >= 0, got a minimum of {float(weights.min())}")
+    raise ValueError(f"weights: must be >= 0, got a minimum of {float(weights.min())}")
 
 
-def _normalizer(name: str, value: float | Tensor, like: Tensor) -> Tensor:
-    """A global normaliser as a 0-dim tensor of ``like``'s dtype/device, validated."""
+def _raise_if_bad(pending: list) -> None:
+    """One host synchronisation for all the deferred data checks; on failure the first bad
+    input's explanation raises its detailed error."""
+    if not pending:
+        return
+    flags = torch.stack([bad.reshape(()).to(device=pending[0][0].device) for bad, _ in pending])
+    if bool(flags.any()):
+        for bad, explain in pending:
+            if bool(bad):
+                explain()
+
+
+def _normalizer(name: str, value: float | Tensor, like: Tensor, defer: list) -> Tensor:
+    """A global normaliser as a 0-dim tensor of ``like``'s dtype/device, validated.
+
+    A tensor normaliser is never read on the host here: its shape is checked, and its value
+    (finite, ``>= 0``) only when value checks are enabled, as a flag appended to ``defer``."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(
@@ -80,9 +108,11 @@ def _normalizer(name: str, value: float | Tensor, like: Tensor) -> Tensor:
             )
         t = value.detach().reshape(()).to(dtype=like.dtype, device=like.device)
         if value_checks_enabled():
-            v = float(t)
-            if not (v >= 0 and v != float("inf")):
-                raise ValueError(f"{name}: must be finite and >= 0, got {v}")
+
+            def explain(t: Tensor = t) -> None:
+                raise ValueError(f"{name}: must be finite and >= 0, got {float(t)}")
+
+            defer.append((~(torch.isfinite(t) & (t >= 0)), explain))
         return t
     v = float(value)
     if not (v >= 0 and v != float("inf")):
@@ -142,7 +172,9 @@ def aggregate(
     Edge cases: an empty normaliser (fully masked batch, or all weights zero) gives exactly
     ``0`` with a zero gradient, never NaN; values of ``loss`` under ``mask == False`` (even
     NaN or inf) never reach the result or the gradient. Low-precision (fp16/bf16) losses are
-    accumulated and returned in float32.
+    accumulated and returned in float32. Tensor normalisers are never converted to Python
+    numbers; the data checks of ``weights`` and tensor normalisers (finite, ``>= 0``) cost one
+    device synchronisation per call, and none inside ``rollkit.validation.value_checks(False)``.
 
     Args:
         loss: ``[B, T]`` float per-token loss.
@@ -185,8 +217,9 @@ def aggregate(
     x = torch.where(mask, x, zero)
     row_sum = x.sum(dim=-1)  # [B]
     row_count = mask.sum(dim=-1).to(x.dtype)  # [B]
+    pending: list = []  # deferred data checks: one host synchronisation at the end
     if weights is not None:
-        _check_weights(weights, loss.shape[0])
+        _check_weights(weights, loss.shape[0], defer=pending)
         w = weights.to(x.dtype)
     else:
         w = torch.ones_like(row_count)
@@ -194,14 +227,16 @@ def aggregate(
     if mode == "token-sum":
         out = (w * row_sum).sum()
     elif mode == "token-mean":
-        den = (w * row_count).sum() if num_tokens is None else _normalizer("num_tokens", num_tokens, x)
+        den = (
+            (w * row_count).sum() if num_tokens is None else _normalizer("num_tokens", num_tokens, x, pending)
+        )
         out = safe_div((w * row_sum).sum(), den)
     else:
         nonempty = row_count > 0
         if num_seqs is None:
             den = torch.where(nonempty, w, zero).sum()
         else:
-            den = _normalizer("num_seqs", num_seqs, x)
+            den = _normalizer("num_seqs", num_seqs, x, pending)
         if mode == "seq-mean-token-mean":
             per_seq = safe_div(row_sum, row_count)
         else:
@@ -209,6 +244,7 @@ def aggregate(
         if mode == "seq-mean-token-sum-norm":
             den = den * float(loss.shape[-1] if norm_length is None else norm_length)
         out = safe_div((w * per_seq).sum(), den)
+    _raise_if_bad(pending)
     return out * dp_size if dp_size != 1 else out
 
 

@@ -10,6 +10,7 @@ from rollkit.keys import ENTROPY, ENTROPY_LOSS, RESPONSE_MASK
 from rollkit.losses._common import (
     LOW_PRECISION,
     check_token_tensors,
+    compute_dtype,
     masked_stat,
     zero_outside,
 )
@@ -27,13 +28,14 @@ _MIN_SHIFTED = -1.0e4
 def _entropy_rows(logits: Tensor) -> Tensor:
     z = logits.float() if logits.dtype in LOW_PRECISION else logits
     m = z.detach().amax(dim=-1, keepdim=True)
-    finite_max = torch.isfinite(m)
-    m = torch.where(finite_max, m, torch.zeros_like(m))
-    s = (z - m).clamp(min=_MIN_SHIFTED)  # [..., V], finite
+    # only an all -inf row is special-cased; NaN / +inf maxima propagate (to a NaN entropy)
+    all_neg_inf = m == float("-inf")
+    m = torch.where(all_neg_inf, torch.zeros_like(m), m)
+    s = (z - m).clamp(min=_MIN_SHIFTED)  # [..., V], finite for finite or -inf logits
     e = torch.exp(s)
     total = e.sum(dim=-1)
     h = torch.log(total) - (e * s).sum(dim=-1) / total
-    h = torch.where(finite_max.squeeze(-1), h, torch.zeros_like(h))
+    h = torch.where(all_neg_inf.squeeze(-1), torch.zeros_like(h), h)
     return h.to(logits.dtype)
 
 
@@ -48,7 +50,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:  # [..., V] -> [...]
     finite gradient: there is no ``0 * log 0`` NaN as in ``(softmax * log_softmax).sum()``.
     The result is in ``[0, log V]``. A row whose logits are *all* ``-inf`` is not a
     distribution and gets 0 (finite, so that a masked row never poisons a sum). NaN / +inf
-    logits propagate.
+    logits propagate: such a row's entropy (and its gradient) is NaN.
 
     fp16 / bf16 logits are upcast to float32 inside (fp32 accumulation) and the result is
     cast back to the input dtype: it equals the float32 entropy of the same (low-precision)
@@ -138,6 +140,8 @@ def entropy_bonus(
     :func:`rollkit.losses.aggregate` like the policy loss.
 
     Metrics: ``"entropy"``, the token-mean entropy over the mask (0 for an empty mask).
+    Half-precision entropies are upcast: the loss is float32 (``compute_dtype``), as for the
+    policy losses; values under the mask (even NaN / inf) reach neither loss nor gradient.
     Registered in ``rollkit.registry.REGULARIZERS`` as ``"entropy"``: reads the ``"entropy"``
     key (``[B, T]``, e.g. written by ``entropy_from_logits``) and writes ``"entropy_loss"``.
 
@@ -149,5 +153,6 @@ def entropy_bonus(
     """
     check_token_tensors(mask, entropy=entropy)
     check_positive("coef", coef, allow_zero=True)
+    entropy = entropy.to(compute_dtype(entropy))
     loss = zero_outside(-coef * entropy, mask)
     return LossOutput(loss, {"entropy": masked_stat(entropy, mask)})

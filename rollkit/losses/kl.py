@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from rollkit.keys import KL_LOSS, LOGPROBS, REF_LOGPROBS, RESPONSE_MASK
-from rollkit.losses._common import check_token_tensors, masked_stat, zero_outside
+from rollkit.losses._common import check_token_tensors, compute_dtype, masked_stat, zero_outside
 from rollkit.ops import masked_mean
 from rollkit.registry import KL_ESTIMATORS, REGULARIZERS
 from rollkit.types import LossOutput
@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 #: ``|log r|`` is clamped to this before ``exp`` in k3 (as verl does), so that ``r`` stays
-#: finite (e^20 ~ 4.9e8) and so does the gradient.
+#: finite (e^20 ~ 4.9e8) and so does the gradient. This holds because k3 computes in at least
+#: float32 (half-precision inputs are upcast first): in float16 itself ``exp`` would overflow
+#: (to inf, and a NaN gradient) for log-ratios above ~11.1.
 MAX_LOG_RATIO = 20.0
 
 
@@ -118,7 +120,9 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0)
     ``0`` iff ``logprobs == ref_logprobs``; lower variance than k1. The log-ratio is clamped
     to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO] = [-20, 20]`` so that ``exp`` stays finite; the value
     is then clamped to ``[0, clamp]`` (verl clamps to ``[-10, 10]``; k3 is never negative, so
-    this is the same). Clamped tokens pass no gradient.
+    this is the same). Clamped tokens pass no gradient. Half-precision inputs are computed in
+    float32 (so the clamp keeps ``exp`` and the gradient finite) and the result is cast back to
+    the input dtype.
 
     Shapes: ``[*]`` and ``[*]`` -> ``[*]``.
 
@@ -130,9 +134,12 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0)
     _check_pair(logprobs, ref_logprobs)
     if clamp is not None:
         check_positive("clamp", clamp)
-    log_r = (ref_logprobs - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    out_dtype = torch.promote_types(logprobs.dtype, ref_logprobs.dtype)
+    dtype = torch.promote_types(out_dtype, torch.float32)
+    log_r = (ref_logprobs.to(dtype) - logprobs.to(dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     k = torch.expm1(log_r) - log_r
-    return k if clamp is None else k.clamp(max=clamp)
+    k = k if clamp is None else k.clamp(max=clamp)
+    return k.to(out_dtype)
 
 
 def kl_k1_plus(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -225,11 +232,17 @@ def _masked_kl(
     logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, coef: float, estimator: str, clamp: float | None
 ) -> Tensor:
     """Validated per-token estimate (not yet times ``coef``) on inputs zeroed outside the mask,
-    so that padding (even NaN / inf) never reaches a value or a gradient."""
+    so that padding (even NaN / inf) never reaches a value or a gradient. Computed (and
+    returned) in ``compute_dtype`` (float32 for half-precision inputs); ``ref_logprobs`` is
+    detached (a constant)."""
     _check_token_inputs(logprobs, ref_logprobs, mask)
     check_positive("coef", coef, allow_zero=True)
+    dtype = compute_dtype(logprobs)
     return kl_estimate(
-        zero_outside(logprobs, mask), zero_outside(ref_logprobs, mask), estimator=estimator, clamp=clamp
+        zero_outside(logprobs.to(dtype), mask),
+        zero_outside(ref_logprobs.detach().to(dtype), mask),
+        estimator=estimator,
+        clamp=clamp,
     )
 
 
@@ -261,7 +274,9 @@ def kl_loss(
 
     Returns ``LossOutput(loss [B, T] (0 where mask is False), metrics)`` with metrics
     ``"kl"`` (token-mean of the estimate over the mask, before ``coef``) and ``"kl_coef"``.
-    A fully masked batch gives a zero loss and ``kl = 0``.
+    A fully masked batch gives a zero loss and ``kl = 0``. ``ref_logprobs`` is a constant
+    (detached: it never receives a gradient). As the policy losses, half-precision inputs are
+    upcast and the loss is returned in float32.
 
     >>> lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     >>> out = kl_loss(lp, torch.tensor([[-1.0, -1.0]]), torch.tensor([[True, False]]), estimator="k2")
@@ -292,8 +307,9 @@ def kl_penalty(
 
     The term that PPO-RLHF subtracts from the rewards (Ziegler et al., 2019,
     arXiv:1909.08593; Ouyang et al., 2022, arXiv:2203.02155): ``r_t - coef * KL_t``. It is a
-    plain tensor function (gradients flow if the inputs have them); :func:`apply_kl_penalty`
-    builds the penalised rewards from it without gradient.
+    plain tensor function (gradients flow through ``logprobs`` if it has them; ``ref_logprobs``
+    is detached); :func:`apply_kl_penalty` builds the penalised rewards from it without
+    gradient. Half-precision inputs are upcast: the result is float32 (``compute_dtype``).
 
     >>> kl_penalty(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, 0.0]]), torch.tensor([[True, False]]), coef=0.1)
     tensor([[0.1000, 0.0000]])

@@ -11,7 +11,8 @@ Every loss here has the same contract::
   device synchronisation; NaN in *valid* positions propagates to the loss.
 * ``advantages`` of shape ``[B]`` are broadcast over the tokens of each row.
 * ``LossOutput.loss`` is ``[B, T]``, exactly ``0`` where ``mask`` is False (values under the
-  mask may be anything, ``-inf`` padding included: they never reach the loss or the gradient).
+  mask may be anything, in any input, NaN and ``+-inf`` padding included: they never reach the
+  loss, the metrics or the gradient).
   Turn it into a scalar with ``rollkit.losses.aggregate(loss, mask, mode)``; the docstring of
   each loss says which aggregation mode reproduces its paper.
 * ``LossOutput.metrics`` are detached 0-dim tensors computed over the masked tokens (no
@@ -112,10 +113,11 @@ def _check_clamp(log_ratio_clamp: float | None) -> None:
         check_positive("log_ratio_clamp", log_ratio_clamp)
 
 
-def _token_adv(advantages: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[B, T]`` or ``[B, 1]`` (broadcastable) advantages in the compute dtype, detached."""
+def _token_adv(advantages: Tensor, dtype: torch.dtype, mask: Tensor) -> Tensor:
+    """``[B, T]`` or ``[B, 1]`` (broadcastable) advantages in the compute dtype, detached;
+    ``[B, T]`` advantages are zeroed outside ``mask`` (so NaN / inf padding never propagates)."""
     adv = advantages.detach().to(dtype)
-    return adv.unsqueeze(-1) if adv.ndim == 1 else adv
+    return adv.unsqueeze(-1) if adv.ndim == 1 else zero_outside(adv, mask)
 
 
 def _seq_adv(advantages: Tensor, mask: Tensor, lengths: Tensor, dtype: torch.dtype) -> Tensor:
@@ -160,29 +162,28 @@ def _counts(mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return n.clamp(min=1).to(dtype), n
 
 
-def _ratio_metrics(lr: Tensor, ratio: Tensor, mask: Tensor, n: Tensor) -> dict[str, Tensor]:
-    """Ratio statistics and k3 approx-KL in four cheap passes (call under ``no_grad``).
+def _ratio_metrics(lr: Tensor, mask: Tensor, n: Tensor) -> dict[str, Tensor]:
+    """Ratio statistics and k3 approx-KL (call under ``no_grad``).
 
-    ``lr`` must be 0 outside the mask (so ``ratio == 1`` there): the sums over the whole tensor
-    then only need a correction by the number of padded entries (the scalar arithmetic is done
-    in float64; the sums themselves in the input dtype, avoiding a converted copy).
+    ``lr`` must be 0 outside the mask, so that ``expm1(lr)`` and ``expm1(lr) - lr`` are 0
+    there: the sums over the whole tensor are the sums over the mask. Near on-policy
+    (``lr ~ 0``) these small terms are summed directly, instead of ``sum(r) - numel - sum(lr)``,
+    whose float32 sums cancel catastrophically on large batches.
     """
-    numel = mask.numel()
-    sum_r = ratio.sum().double()
-    sum_lr = lr.sum().double()
-    cnt = n.clamp(min=1).double()
-    mean_lr = (sum_lr / cnt).to(lr.dtype)
+    cnt = n.clamp(min=1).to(lr.dtype)
+    d = torch.expm1(lr)  # r - 1, accurate near r = 1
+    sum_d = d.sum()
+    mean_lr = lr.sum() / cnt
     # the mean lies between the extremes, so filling the padding with it leaves min/max intact
     if lr.numel():
         lo, hi = torch.aminmax(torch.where(mask, lr, mean_lr))
     else:  # an empty batch ([0, T] or [B, 0]): the documented empty-mask values
         lo = hi = torch.zeros((), dtype=lr.dtype, device=lr.device)
-    ratio_mean = torch.where(n > 0, (sum_r - (numel - n)) / cnt, torch.ones((), dtype=torch.float64))
     return {
-        "ratio_mean": ratio_mean.to(lr.dtype),
+        "ratio_mean": 1.0 + sum_d / cnt,  # 1 over an empty mask (sum_d == 0)
         "ratio_max": hi.exp(),  # exp(0) = 1 over an empty mask
         "ratio_min": lo.exp(),
-        "approx_kl": ((sum_r - numel - sum_lr) / cnt).clamp(min=0).to(lr.dtype),  # k3 >= 0
+        "approx_kl": ((d - lr).sum() / cnt).clamp(min=0),  # k3 >= 0
     }
 
 
@@ -414,7 +415,7 @@ def ppo_clip(
         check_same_shape("is_weights", is_weights, "logprobs", logprobs)
     dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     ratio = lr.exp()
-    adv = _token_adv(advantages, dtype)
+    adv = _token_adv(advantages, dtype, mask)
     loss, clipped, dual = _clipped_loss(ratio, adv, clip_low, clip_high, dual_clip)
     if is_weights is not None:
         loss = loss * is_weights.detach().to(dtype)
@@ -422,7 +423,7 @@ def ppo_clip(
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         metrics = _clip_metrics(clipped, adv, count, dual)
-        metrics.update(_ratio_metrics(lr, ratio, mask, n))
+        metrics.update(_ratio_metrics(lr, mask, n))
     return LossOutput(loss, metrics)
 
 
@@ -499,7 +500,7 @@ def gspo(
 
 def _seq_metrics(lr: Tensor, s: Tensor, mask: Tensor, lengths: Tensor, n: Tensor) -> dict[str, Tensor]:
     """Token ratio metrics plus ``seq_ratio_*`` over the non-empty rows (``s`` is ``[B]``)."""
-    metrics = _ratio_metrics(lr, lr.exp(), mask, n)
+    metrics = _ratio_metrics(lr, mask, n)
     rows = lengths > 0
     n_rows = rows.sum().clamp(min=1).to(s.dtype)
     one = torch.ones((), dtype=s.dtype, device=s.device)
@@ -546,15 +547,15 @@ def gspo_token(
     _check_clip(clip_low, clip_high)
     _check_clamp(log_ratio_clamp)
     dtype = compute_dtype(logprobs)
-    lp = logprobs.to(dtype)
+    # zeroed outside the mask, so that padding (even NaN / inf) never reaches the gradient
+    lp = zero_outside(logprobs.to(dtype), mask)
     lengths = mask.sum(-1).to(dtype)
     lr = _log_ratio(lp, old_logprobs.to(dtype), mask, log_ratio_clamp)
     seq_lr = _seq_log_ratio(lr, lengths).detach()
     s = seq_lr.exp()
-    # value s_i, gradient s_i * grad log pi_it (lp - sg(lp) is 0; NaN only under -inf padding,
-    # which the final where discards without touching the gradient)
+    # value s_i, gradient s_i * grad log pi_it (lp - sg(lp) is 0)
     s_tok = s.unsqueeze(-1) * (1.0 + (lp - lp.detach()))
-    adv = _token_adv(advantages, dtype)
+    adv = _token_adv(advantages, dtype, mask)
     loss, clipped, _ = _clipped_loss(s_tok, adv, clip_low, clip_high, None)
     loss = zero_outside(loss, mask)
     with torch.no_grad():
@@ -626,8 +627,11 @@ def gmpo(
 
 
 def _weighted_pg(lp: Tensor, weight: Tensor, mask: Tensor) -> Tensor:
-    """``where(mask, -weight * log pi, 0)`` with ``weight`` a constant (includes A)."""
-    return zero_outside(-weight * lp, mask)
+    """``where(mask, -weight * log pi, 0)`` with ``weight`` a constant (includes A).
+
+    ``lp`` is zeroed outside the mask *before* the product: otherwise the backward of the
+    product would compute ``0 * weight`` there, a NaN gradient for NaN / inf padding."""
+    return zero_outside(-weight * zero_outside(lp, mask), mask)
 
 
 @POLICY_LOSSES.register("cispo", in_keys=_IN_KEYS, out_keys=_OUT_KEYS)
@@ -674,7 +678,7 @@ def cispo(
     ratio = lr.exp()
     lo = 1.0 - clip_low if clip_low is not None else None
     weight = ratio.clamp(lo, 1.0 + clip_high)
-    adv = _token_adv(advantages, dtype)
+    adv = _token_adv(advantages, dtype, mask)
     loss = _weighted_pg(lp, weight * adv, mask)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
@@ -682,7 +686,7 @@ def cispo(
         f_high = _frac(ratio > 1.0 + clip_high, count)
         f_low = _frac(ratio < lo, count) if lo is not None else torch.zeros_like(f_high)
         metrics = _clip_fracs(f_low, f_high)
-        metrics.update(_ratio_metrics(lr, ratio, mask, n))
+        metrics.update(_ratio_metrics(lr, mask, n))
     return LossOutput(loss, metrics)
 
 
@@ -740,7 +744,7 @@ def topr(
     dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
     lr = _log_ratio(lp, old_logprobs.to(dtype), mask, None).detach()
-    adv = _token_adv(advantages, dtype)
+    adv = _token_adv(advantages, dtype, mask)
     if level == "sequence":
         log_rho = lr.sum(-1, keepdim=True)
         if advantages.ndim == 1:
@@ -756,9 +760,10 @@ def topr(
     loss = _weighted_pg(lp, weight * adv, mask)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
-        if neg.shape[-1] == 1:  # one decision per row: weight the rows by their lengths
+        if log_rho.shape[-1] == 1 and mask.shape[-1] != 1:
+            # sequence level: one decision per row, weight the rows by their lengths
             tok = mask.sum(-1, keepdim=True).to(dtype)
-        else:
+        else:  # token level: per-token flags ([B, 1] signs broadcast over the [B, T] mask)
             tok = mask.to(dtype)
         neg_tok = neg * tok
         n_neg = neg_tok.sum()
@@ -768,7 +773,7 @@ def topr(
             "is_weight_mean": (neg_tok * rho).sum() / n_neg.clamp(min=1),
         }
         lr_c = lr.clamp(-20.0, 20.0)
-        metrics.update(_ratio_metrics(lr_c, lr_c.exp(), mask, n))
+        metrics.update(_ratio_metrics(lr_c, mask, n))
     return LossOutput(loss, metrics)
 
 
@@ -818,13 +823,13 @@ def tis(
         old_logprobs, behavior_logprobs, mask, level=level, mode=mode, cap=cap, lower=lower
     )
     dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
-    adv = _token_adv(advantages, dtype)
+    adv = _token_adv(advantages, dtype, mask)
     ratio = lr.exp()
     loss = zero_outside(-(w * adv) * ratio, mask)
     with torch.no_grad():
         _, n = _counts(mask, dtype)
         metrics = dict(w_metrics)
-        metrics.update(_ratio_metrics(lr, ratio, mask, n))
+        metrics.update(_ratio_metrics(lr, mask, n))
     return LossOutput(loss, metrics)
 
 
@@ -934,7 +939,7 @@ def raft_pp(
     _check_clip(clip_low, clip_high)
     dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     ratio = lr.exp()
-    acc = mask & (_token_adv(advantages, dtype) > threshold)
+    acc = mask & (_token_adv(advantages, dtype, mask) > threshold)
     surr = -torch.minimum(ratio, ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
     loss = zero_outside(surr, acc)
     with torch.no_grad():
@@ -943,7 +948,7 @@ def raft_pp(
             "accepted_frac": _frac(acc, count),
             "clip_frac": _frac(acc & (ratio > 1.0 + clip_high), count),
         }
-        metrics.update(_ratio_metrics(lr, ratio, mask, n))
+        metrics.update(_ratio_metrics(lr, mask, n))
     return LossOutput(loss, metrics)
 
 
@@ -974,7 +979,7 @@ def vanilla_pg(
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
-    loss = _weighted_pg(lp, _token_adv(advantages, dtype), mask)
+    loss = _weighted_pg(lp, _token_adv(advantages, dtype, mask), mask)
     return LossOutput(loss, {})
 
 
@@ -1009,7 +1014,7 @@ def gpg(
     check_positive("alpha", alpha)
     dtype = compute_dtype(logprobs)
     lp = logprobs.to(dtype)
-    loss = _weighted_pg(lp, alpha * _token_adv(advantages, dtype), mask)
+    loss = _weighted_pg(lp, alpha * _token_adv(advantages, dtype, mask), mask)
     return LossOutput(loss, {})
 
 
@@ -1052,7 +1057,7 @@ def sapo(
     check_positive("tau_neg", tau_neg)
     dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     ratio = lr.exp()
-    adv = _token_adv(advantages, dtype)
+    adv = _token_adv(advantages, dtype, mask)
     tau = torch.where(adv > 0, tau_pos, tau_neg).to(dtype)
     sig = torch.sigmoid(tau * (ratio - 1.0))
     loss = zero_outside((-4.0 * adv / tau) * sig, mask)
@@ -1061,5 +1066,5 @@ def sapo(
         # the gate is exactly 1 outside the mask (r = 1): subtract those entries
         gate_sum = (4.0 * sig * (1.0 - sig)).sum(dtype=torch.float64) - (mask.numel() - n)
         metrics = {"gate_mean": (gate_sum / count).to(dtype)}
-        metrics.update(_ratio_metrics(lr, ratio, mask, n))
+        metrics.update(_ratio_metrics(lr, mask, n))
     return LossOutput(loss, metrics)

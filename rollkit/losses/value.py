@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from rollkit.keys import OLD_VALUES, RESPONSE_MASK, RETURNS, VALUE_LOSS, VALUES
-from rollkit.losses._common import check_token_tensors, masked_stat, zero_outside
+from rollkit.losses._common import check_token_tensors, compute_dtype, masked_stat, zero_outside
 from rollkit.registry import VALUE_LOSSES
 from rollkit.types import LossOutput
 from rollkit.validation import check_positive
@@ -54,6 +54,8 @@ def value_loss(
     strictly larger, i.e. the clipped branch is used), ``"vf_mse"`` (token-mean unclipped
     squared error) and ``"values_mean"``; all 0 for a fully masked batch. Entries under
     ``mask == False`` (even NaN / inf padding) reach neither the loss nor the gradient.
+    ``returns`` and ``old_values`` are targets (detached: they never receive a gradient), and
+    half-precision inputs are upcast: the loss is float32 (``compute_dtype``).
 
     >>> v = torch.tensor([[1.0, 0.0]], requires_grad=True)
     >>> out = value_loss(v, torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 1.0]]), torch.tensor([[True, True]]))
@@ -67,8 +69,11 @@ def value_loss(
     if clip_range is not None:
         check_positive("clip_range", clip_range)
 
-    # Zero the masked-out entries first, so that NaN / inf padding never reaches the gradient.
-    values, old_values, returns = (zero_outside(x, mask) for x in (values, old_values, returns))
+    # Upcast half precision (float32 loss, as the policy losses), treat the targets as constants,
+    # and zero the masked-out entries first, so that NaN / inf padding never reaches the gradient.
+    dtype = compute_dtype(values)
+    values = zero_outside(values.to(dtype), mask)
+    old_values, returns = (zero_outside(x.detach().to(dtype), mask) for x in (old_values, returns))
     unclipped = (values - returns).square()
     if clip_range is None:
         per_token = unclipped
