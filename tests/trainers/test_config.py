@@ -1,0 +1,93 @@
+"""Config: dataclass defaults, YAML files, key=value / --key value overrides, clear errors."""
+
+import pytest
+
+from trainers.config import Config, config_to_dict, help_text, load_config
+
+
+def test_defaults_and_overrides():
+    cfg = load_config([])
+    assert cfg == Config()
+    cfg = load_config(
+        [
+            "train.lr=1e-5",
+            "--algorithm.advantage",
+            "rloo",
+            "--rollout.n=4",
+            "filter.zero_variance=true",
+            "algorithm.policy_loss_kwargs={clip_high: 0.28}",
+            "rollout.max_batch_size=null",
+            "--model",
+            "tiny",
+            "--data",
+            "x.jsonl",
+            "algorithm.kl.coef=0.1",
+        ]
+    )
+    assert cfg.train.lr == 1e-5 and isinstance(cfg.train.lr, float)
+    assert cfg.algorithm.advantage == "rloo" and cfg.rollout.n == 4 and cfg.filter.zero_variance is True
+    assert cfg.algorithm.policy_loss_kwargs == {"clip_high": 0.28}
+    assert (
+        cfg.rollout.max_batch_size is None and cfg.model.path == "tiny" and cfg.data.train_file == "x.jsonl"
+    )
+    assert cfg.algorithm.kl.coef == 0.1
+    assert load_config(["rollout.max_batch_size=16"]).rollout.max_batch_size == 16
+    assert load_config(["train.lr=1"]).train.lr == 1.0  # int accepted for a float field
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  lr: 2.0e-5\n  steps: 7\nalgorithm:\n  kl: {coef: 0.05, mode: reward}\nseed: 3\n")
+    cfg = load_config(["--config", str(f), "train.steps=9"])
+    assert (cfg.train.lr, cfg.train.steps, cfg.seed) == (2e-5, 9, 3)
+    assert cfg.algorithm.kl.coef == 0.05 and cfg.algorithm.kl.mode == "reward"
+    assert config_to_dict(cfg)["train"]["steps"] == 9
+    with pytest.raises(ValueError, match="config: file not found"):
+        load_config(["--config", str(tmp_path / "missing.yaml")])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lrr: 1\n")
+    with pytest.raises(ValueError, match=r"train\.lrr: unknown field"):
+        load_config(["--config", str(bad)])
+
+
+@pytest.mark.parametrize(
+    "arg, match",
+    [
+        ("train.lr=fast", "train.lr: expected float"),
+        ("rollout.n=2.5", "rollout.n: expected int"),
+        ("filter.zero_variance=maybe", "filter.zero_variance: expected bool"),
+        ("nope.x=1", "nope: unknown field of the config"),
+        ("train.nope=1", "train.nope: unknown field of train"),
+        ("algorithm.policy_loss_kwargs=3", "algorithm.policy_loss_kwargs: expected a mapping"),
+        ("train=torch", None),  # alias of train.engine: fine
+        ("algorithm.kl=1", "algorithm.kl: is a section"),
+        ("justaword", "expected key=value"),
+    ],
+)
+def test_errors_name_the_field(arg, match):
+    if match is None:
+        assert load_config([arg]).train.engine == "torch"
+        return
+    with pytest.raises(ValueError, match=match):
+        load_config([arg])
+
+
+def test_missing_value_after_flag():
+    with pytest.raises(ValueError, match="missing value"):
+        load_config(["--train.lr"])
+
+
+def test_help_lists_every_field(capsys):
+    text = help_text()
+    for line in (
+        "train.lr",
+        "float",
+        "1e-05",
+        "algorithm.kl.estimator",
+        "rollout.max_batch_size",
+        "int | None",
+    ):
+        assert line in text
+    with pytest.raises(SystemExit):
+        load_config(["--help"])
+    assert "algorithm.advantage" in capsys.readouterr().out

@@ -1,0 +1,100 @@
+"""Prompts (JSONL, Parquet, procedural addition), encoding, the exact-match verifier, the iterator."""
+
+import importlib.util
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from trainers.data import (
+    Prompt,
+    PromptIterator,
+    addition_task,
+    encode_prompt,
+    exact_match_reward,
+    load_prompts,
+    parse_number,
+)
+from trainers.models import char_tokenizer
+
+
+def test_addition_splits_are_disjoint_and_seeded():
+    train, held = addition_task(digits=2, eval_size=100, seed=0)
+    assert len(train) + len(held) == 90 * 90 and len(held) == 100
+    assert not {p.text for p in train} & {p.text for p in held}
+    assert addition_task(digits=2, eval_size=100, seed=0)[1] == held
+    assert addition_task(digits=2, eval_size=100, seed=1)[1] != held
+    p = held[0]
+    a, b = p.text[:-1].split("+")
+    assert int(a) + int(b) == int(p.answer) and p.data_source == "addition_2d"
+    with pytest.raises(ValueError, match="digits"):
+        addition_task(digits=5)
+    with pytest.raises(ValueError, match="eval_size"):
+        addition_task(digits=1, eval_size=100)
+
+
+def test_verifier_parses_the_last_number():
+    assert exact_match_reward("46", "46") == 1.0
+    assert exact_match_reward("12 + 34 = 46.", "46") == 1.0
+    assert exact_match_reward("1,046", "1046") == 1.0
+    assert exact_match_reward("45", "46") == 0.0 and exact_match_reward("no idea", "46") == 0.0
+    assert parse_number("a -3 b 4.5") == "4.5" and parse_number("x") is None
+
+
+def test_jsonl_verl_fields(tmp_path):
+    f = tmp_path / "d.jsonl"
+    rows = [
+        {"prompt": "1+1=", "answer": "2", "data_source": "toy"},
+        {"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}},
+        {"prompt": "3+3=", "ground_truth": 6},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ps = load_prompts(f)
+    assert ps[0] == Prompt("1+1=", "2", "toy")
+    assert ps[1].answer == "4" and ps[1].data_source == "default" and isinstance(ps[1].text, list)
+    assert ps[2].answer == "6"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="record 0: no answer"):
+        load_prompts(bad)
+    with pytest.raises(ValueError, match="no such file"):
+        load_prompts(tmp_path / "none.jsonl")
+    with pytest.raises(ValueError, match=r"\.jsonl or \.parquet"):
+        (tmp_path / "x.csv").write_text("a")
+        load_prompts(tmp_path / "x.csv")
+
+
+def test_parquet(tmp_path):
+    f = tmp_path / "d.parquet"
+    if importlib.util.find_spec("pyarrow") is None:
+        f.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match="pyarrow"):
+            load_prompts(f)
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+2=", "answer": "3", "data_source": "s"}]), f)
+    assert load_prompts(f) == [Prompt("1+2=", "3", "s")]
+
+
+def test_encode_plain_for_char_tokenizer():
+    tok = char_tokenizer()
+    ids = encode_prompt(tok, Prompt("12+34=", "46"))
+    assert tok.decode(ids) == "12+34="
+    with pytest.raises(ValueError, match="chat_template"):
+        encode_prompt(tok, Prompt("1+1=", "2"), "maybe")
+
+
+def test_iterator_is_checkpointable():
+    it = PromptIterator(list(range(7)), seed=3)
+    first = it.next_batch(10)  # crosses an epoch
+    assert sorted(first[:7]) == list(range(7))
+    state = it.state_dict()
+    rest = it.next_batch(9)
+    it2 = PromptIterator(list(range(7)), seed=3)
+    it2.load_state_dict(state)
+    assert it2.next_batch(9) == rest
+    with pytest.raises(ValueError, match="items"):
+        PromptIterator([])

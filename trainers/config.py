@@ -1,0 +1,414 @@
+"""Typed configuration of the reference trainers: dataclasses, YAML files, command-line overrides.
+
+Every field has a type and a default. :func:`load_config` builds a :class:`Config` from an
+optional YAML file (``--config file.yaml``) and then applies overrides, in order, written as
+verl / ROLL users expect::
+
+    train.lr=1e-5  --algorithm.advantage grpo  --rollout.n=8  algorithm.policy_loss_kwargs='{clip_high: 0.28}'
+
+Values are parsed as YAML scalars (``1e-5``, ``true``, ``null``, ``[1, 2]``, ``{a: 1}``) and
+then checked against the field's type; a wrong key or value raises ``ValueError`` naming the
+field. Short aliases: ``--model PATH`` is ``model.path``, ``--data FILE`` is
+``data.train_file``, ``--rollout NAME`` is ``rollout.engine``, ``--train NAME`` is
+``train.engine``. ``--help`` lists every field with its type and default (:func:`help_text`).
+
+>>> cfg = load_config(["train.lr=3e-4", "--algorithm.advantage", "rloo", "--model", "tiny"])
+>>> cfg.train.lr, cfg.algorithm.advantage, cfg.model.path
+(0.0003, 'rloo', 'tiny')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+__all__ = [
+    "ALIASES",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "EvalConfig",
+    "FilterConfig",
+    "KLConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_to_dict",
+    "help_text",
+    "load_config",
+    "parse_args",
+]
+
+
+@dataclass
+class ModelConfig:
+    """The policy. ``path``: an HF causal-LM directory; ``""`` = the embedded default
+    (SmolLM2-135M-Instruct, :func:`trainers.models.default_model_path`); ``"tiny"`` = a random
+    tiny Qwen2 with the character tokenizer (tests)."""
+
+    path: str = ""
+    dtype: str = "float32"
+    tiny_seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Prompts: a JSONL / Parquet file (verl-style fields) or a procedural task."""
+
+    task: str = "addition"  # procedural task when train_file is empty: "addition"
+    digits: int = 2  # operand digits of the addition task (1 or 2)
+    train_file: str = ""
+    eval_file: str = ""
+    eval_size: int = 100  # held-out prompts (procedural task)
+    chat_template: str = "auto"  # "auto": use the tokenizer's chat template if it has one; "on"; "off"
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling. ``prompts_per_step`` x ``n`` samples make the batch of one step."""
+
+    engine: str = "hf"
+    prompts_per_step: int = 4
+    n: int = 8
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 12
+    max_batch_size: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation. ``steps`` RL steps, each ``ppo_epochs`` passes over the batch in
+    micro-batches of ``micro_batch_size`` sequences, one optimizer step per
+    ``mini_batch_size`` sequences (``0``: the whole batch)."""
+
+    engine: str = "torch"
+    steps: int = 20
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # "constant" or "cosine" (after warm-up)
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0
+    micro_batch_size: int = 8
+    device: str = "cpu"
+
+
+@dataclass
+class KLConfig:
+    """KL to the frozen initial policy: ``coef == 0`` disables it (no reference model)."""
+
+    coef: float = 0.0
+    estimator: str = "k3"  # a name of rollkit.registry.KL_ESTIMATORS
+    mode: str = "loss"  # "loss": a regularizer term; "reward": a per-sequence reward penalty
+
+
+@dataclass
+class AlgorithmConfig:
+    """The rollkit primitives, chosen by registry name, and their keyword arguments."""
+
+    advantage: str = "grpo"
+    advantage_kwargs: dict = field(default_factory=dict)
+    policy_loss: str = "ppo"
+    policy_loss_kwargs: dict = field(default_factory=dict)
+    aggregation: str = "token-mean"
+    entropy_coef: float = 0.0
+    reward_normalizer: bool = False  # running reward standardisation before the advantages
+    kl: KLConfig = field(default_factory=KLConfig)
+
+
+@dataclass
+class FilterConfig:
+    """Dynamic sampling: drop prompt groups whose rewards are all equal, and generate again
+    (at most ``max_rounds`` generation rounds per step) until the batch is full."""
+
+    zero_variance: bool = False
+    max_rounds: int = 3
+
+
+@dataclass
+class EvalConfig:
+    """Greedy held-out accuracy before training, every ``every`` steps (0: never) and after."""
+
+    every: int = 10
+    max_tokens: int = 12
+    before: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """``dir`` empty: no checkpoints. ``resume``: a checkpoint directory, or ``"auto"`` (the
+    latest under ``dir``)."""
+
+    dir: str = ""
+    every: int = 0
+    resume: str = ""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics go to ``<dir>/metrics.jsonl`` always, TensorBoard and a PNG plot when the
+    packages are installed."""
+
+    dir: str = "runs/rlvr"
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    seed: int = 0
+
+
+#: Short command-line keys.
+ALIASES = {
+    "model": "model.path",
+    "data": "data.train_file",
+    "rollout": "rollout.engine",
+    "train": "train.engine",
+}
+
+_NONE = (type(None),)
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _yaml():
+    try:
+        import yaml
+    except ImportError as e:  # pragma: no cover - pyyaml comes with transformers
+        raise ImportError("YAML configs need pyyaml: pip install pyyaml") from e
+    return yaml
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    """``value`` (a string from the command line, or a YAML value) as type ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~")):
+            if type(None) in args:
+                return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(key, value, a)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if errors else f"{key}: cannot convert {value!r} to {_type_name(tp)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{key}: expected str, got {value!r}")
+    if isinstance(value, str) and tp in (int, float):
+        try:
+            return int(value) if tp is int else float(value)
+        except ValueError:
+            if tp is int:
+                raise ValueError(f"{key}: expected int, got {value!r}") from None
+            raise ValueError(f"{key}: expected float, got {value!r}") from None
+    if isinstance(value, str) and tp is not str:
+        try:
+            value = _yaml().safe_load(value) if value.strip() else value
+        except Exception as e:
+            raise ValueError(f"{key}: cannot parse {value!r}: {e}") from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key}: expected bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{key}: expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"{key}: expected float, got {value!r}")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ValueError(f"{key}: expected a mapping such as '{{clip_high: 0.28}}', got {value!r}")
+    if tp is list or origin is list:
+        if isinstance(value, list):
+            return list(value)
+        raise ValueError(f"{key}: expected a list such as '[1, 2]', got {value!r}")
+    raise ValueError(f"{key}: unsupported field type {_type_name(tp)}")  # pragma: no cover
+
+
+def _field_names(obj: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(obj)]
+
+
+def set_value(cfg: Config, key: str, value: Any) -> None:
+    """Set the dotted field ``key`` of ``cfg`` to ``value`` (converted and type-checked)."""
+    parts = key.split(".")
+    obj: Any = cfg
+    for i, part in enumerate(parts):
+        path = ".".join(parts[: i + 1])
+        if not dataclasses.is_dataclass(obj) or part not in _field_names(obj):
+            known = _field_names(obj) if dataclasses.is_dataclass(obj) else []
+            where = ".".join(parts[:i]) or "the config"
+            raise ValueError(f"{path}: unknown field of {where}; known: {', '.join(known)}")
+        tp = _hints(type(obj))[part]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                if not isinstance(value, dict):
+                    raise ValueError(f"{path}: is a section; set its fields ({path}.<field>=...)")
+                for k, v in value.items():
+                    set_value(cfg, f"{path}.{k}", v)
+                return
+            setattr(obj, part, _convert(path, value, tp))
+        else:
+            obj = getattr(obj, part)
+
+
+def apply_dict(cfg: Config, data: dict[str, Any], prefix: str = "") -> None:
+    """Apply a nested mapping (a parsed YAML file) onto ``cfg``."""
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"config: expected a mapping at {prefix or 'the top level'}, got {type(data).__name__}"
+        )
+    for k, v in data.items():
+        set_value(cfg, f"{prefix}{k}", v)
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]], bool]:
+    """``(config_file, [(key, value), ...], help_requested)`` from command-line tokens."""
+    config_file: str | None = None
+    pairs: list[tuple[str, str]] = []
+    want_help = False
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in ("-h", "--help"):
+            want_help = True
+            i += 1
+            continue
+        if tok.startswith("--"):
+            body = tok[2:]
+            if "=" in body:
+                key, value = body.split("=", 1)
+            else:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{body}: missing value after --{body}")
+                key, value = body, argv[i + 1]
+                i += 1
+        elif "=" in tok:
+            key, value = tok.split("=", 1)
+        else:
+            raise ValueError(f"argument {tok!r}: expected key=value or --key value")
+        key = key.replace("-", "_") if key != "config" else key
+        if key == "config":
+            config_file = value
+        else:
+            pairs.append((key, value))
+        i += 1
+    return config_file, pairs, want_help
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | list[tuple[str, str]]) -> Config:
+    """Apply ``key=value`` strings (or ``(key, value)`` pairs) onto ``cfg``; returns it."""
+    for o in overrides:
+        if isinstance(o, str):
+            if "=" not in o:
+                raise ValueError(f"override {o!r}: expected key=value")
+            k, v = o.split("=", 1)
+        else:
+            k, v = o
+        k = k.strip()
+        set_value(cfg, ALIASES.get(k, k), v)
+    return cfg
+
+
+def load_config(argv: list[str] | None = None, *, base: Config | None = None) -> Config:
+    """A :class:`Config` from command-line tokens: ``--config FILE`` first, then overrides in order.
+
+    ``--help`` raises ``SystemExit(0)`` after printing :func:`help_text`.
+    """
+    config_file, pairs, want_help = parse_args(list(argv or []))
+    cfg = base if base is not None else Config()
+    if want_help:
+        print(help_text(cfg))
+        raise SystemExit(0)
+    if config_file:
+        p = Path(config_file)
+        if not p.is_file():
+            raise ValueError(f"config: file not found: {config_file}")
+        data = _yaml().safe_load(p.read_text()) or {}
+        apply_dict(cfg, data)
+    apply_overrides(cfg, pairs)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain nested dicts (YAML/JSON-serialisable)."""
+    return dataclasses.asdict(cfg)
+
+
+def _help_rows(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    rows = []
+    for f in dataclasses.fields(obj):
+        tp = _hints(type(obj))[f.name]
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(tp):
+            rows.extend(_help_rows(value, f"{prefix}{f.name}."))
+        else:
+            rows.append((f"{prefix}{f.name}", _type_name(tp), repr(value), ""))
+    return rows
+
+
+def help_text(cfg: Config | None = None) -> str:
+    """Every field with its type and default, one per line."""
+    cfg = cfg or Config()
+    rows = _help_rows(cfg)
+    w = max(len(r[0]) for r in rows)
+    t = max(len(r[1]) for r in rows)
+    alias = ", ".join(f"--{k} = {v}" for k, v in ALIASES.items())
+    lines = [
+        "usage: [--config FILE.yaml] [key=value | --key value] ...",
+        "",
+        "Dotted keys override the YAML file's values, in order; values are YAML scalars.",
+        f"Aliases: {alias}.",
+        "",
+        f"{'field'.ljust(w)}  {'type'.ljust(t)}  default",
+    ]
+    for name, tp, default, _ in rows:
+        lines.append(f"{name.ljust(w)}  {tp.ljust(t)}  {default}")
+    return os.linesep.join(lines)
