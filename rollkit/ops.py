@@ -343,7 +343,8 @@ def group_normalize(
     * a group whose values are all (bitwise) equal, and every singleton, gives exactly 0: the
       statistics are computed on ``x - min_g x``, which is exactly 0 there;
     * a spread of exactly 0 leaves ``x - mean_g`` unscaled (so ``eps = 0`` is allowed); an
-      unbiased std of a singleton counts as 0 spread;
+      unbiased std of a singleton counts as 0 spread, and so does a spread so small that its
+      square underflows (subnormal differences, e.g. below about 1e-19 in float32);
     * empty input gives empty output. Arithmetic is in the dtype of ``x`` for float32 /
       float64 (pass float64 for more precision) and in float32 for 16-bit inputs (the result
       is cast back to the dtype of ``x``).
