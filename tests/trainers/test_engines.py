@@ -383,6 +383,28 @@ def test_gradient_checkpointing_same_gradient(tok, prompts):
         torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-5, atol=1e-7)
 
 
+def test_autocast_bf16_keeps_fp32_master_weights(tok, prompts):
+    gens = HFRolloutEngine(tiny_qwen2(tok), tok).generate(prompts, SamplingParams(n=2, max_tokens=6, seed=0))
+    b = pack_generations(gens, tok.pad_token_id)
+    full = TorchTrainEngine(tiny_qwen2(tok))
+    mixed = TorchTrainEngine(tiny_qwen2(tok), autocast=torch.bfloat16)
+    with torch.no_grad():
+        lp32 = full.logprobs(b.input_ids, b.attention_mask, b.response_mask)
+    lp16 = mixed.logprobs(b.input_ids, b.attention_mask, b.response_mask)
+    assert lp16.dtype == torch.float32
+    # bfloat16 matmuls: close to the float32 log-probs, but not equal (it is a different computation).
+    err = float((lp16.detach() - lp32).abs()[b.response_mask].max())
+    assert 0 < err < 0.1, err
+    mixed.backward(-aggregate(lp16, b.response_mask))
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in mixed.model.parameters())
+    before = {k: v.clone() for k, v in mixed.model.state_dict().items()}
+    assert mixed.step()["skipped"] == 0
+    assert any(not torch.equal(before[k], v) for k, v in mixed.model.state_dict().items())
+    with pytest.raises(ValueError, match="autocast"):
+        TorchTrainEngine(tiny_qwen2(tok), autocast=torch.int8)
+
+
 # --------------------------------------------------------------------------- data parallel
 
 WORLD = 2

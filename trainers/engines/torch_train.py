@@ -69,6 +69,12 @@ class TorchTrainEngine:
         dtype: the model's parameter dtype (log-probs are computed in float32 anyway).
         device: where the model is trained.
         gradient_checkpointing: recompute activations in the backward (non-reentrant).
+        autocast: mixed precision for the forward (and so the backward) of :meth:`logprobs`:
+            ``torch.bfloat16`` or ``torch.float16`` runs the matmuls in that dtype under
+            ``torch.autocast`` while the parameters, gradients and optimizer state stay in
+            ``dtype`` (float32 master weights); the log-softmax is still taken in float32.
+            ``None`` (default): no autocast. On CPUs with AMX / AVX512-BF16 bfloat16 matmuls
+            are several times faster than float32 (measured in docs/engines.md).
         process_group: the data-parallel group (default: the world, if initialised).
 
     A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
@@ -88,8 +94,12 @@ class TorchTrainEngine:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         gradient_checkpointing: bool = False,
+        autocast: torch.dtype | None = None,
         process_group: Any = None,
     ) -> None:
+        if autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
+        self.autocast = autocast
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype)
         if gradient_checkpointing:
@@ -154,13 +164,16 @@ class TorchTrainEngine:
         dev = self.device
         input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
         mask = response_mask.to(dev, dtype=torch.bool)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-            logits_to_keep=T + 1,
-        )
+        with torch.autocast(
+            self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None
+        ):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                use_cache=False,
+                logits_to_keep=T + 1,
+            )
         logits = out.logits[:, :-1]  # [B, T, V]: position L-T-1+t predicts token L-T+t
         lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
         if not with_entropy:
