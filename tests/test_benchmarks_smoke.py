@@ -112,3 +112,16 @@ def test_scripts_run_as_scripts(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     for header in ("time / rollkit", "speedup", "vs minimal"):
         assert header in res.stdout
+
+
+@pytest.mark.slow
+def test_trl_side_by_side_tiny(capsys):
+    """Both trainers on the tiny model for 2 steps (TRL only when the `bench` extra is installed)."""
+    pytest.importorskip("transformers")
+    results = load("bench_trl").main(["--model", "tiny", "--steps", "2", "--eval-size", "8"])
+    out = capsys.readouterr().out
+    rows = table(out, "time vs rollkit", 5)  # median, mean, before, after, ratio
+    assert rows["rollkit"][4] == 1.0, rows
+    want = {"rollkit", "TRL GRPOTrainer"} if importlib.util.find_spec("trl") else {"rollkit"}
+    assert set(rows) == want and set(results) == want, rows
+    assert all(0 <= r[2] <= 1 and 0 <= r[3] <= 1 for r in rows.values()), rows
