@@ -1,0 +1,156 @@
+"""GEM environments behind rollkit's :class:`~trainers.envs.base.Env` interface.
+
+GEM (Axon-RL's General Experience Maker, PyPI ``gem-llm``; Liu et al., 2025,
+arXiv:2510.01051) has the same ``reset`` / ``step`` API, so the adapter only adds what rollkit
+relies on:
+
+* **self-contained observations**: GEM's games return the instructions (on reset) or a short
+  feedback line (on step) as the observation and put the board in ``info["suffix"]``; with
+  ``append_suffix=True`` (default) the adapter appends the suffix, so the model sees the board
+  every turn, as with rollkit's own environments. ``info`` is passed on unchanged.
+* :meth:`GemEnv.state_key`: GEM has no state accessor. For the games whose state lives in
+  known attributes (:data:`STATE_ATTRIBUTES`: Sokoban's room and player, the guesses of
+  GuessTheNumber / Mastermind, Minesweeper's revealed and flagged cells) the key is a frozen
+  copy of them; otherwise it is the latest observation text (what verl-agent's GiGPO groups
+  steps by; GEM's feedback lines carry the turn number, so there states rarely repeat). Pass
+  ``state_fn(gem_env) -> hashable`` to choose.
+* the flags and rewards are GEM's, unchanged (its games set ``terminated=True`` together with
+  ``truncated=True`` at ``max_turns``, and end the episode on a format error with -0.1).
+
+GEM ids look like ``"game:Sokoban-v0-easy"``, ``"game:GuessTheNumber-v0-easy"``,
+``"game:Mastermind-v0-easy"``, ``"game:Minesweeper-v0-easy"`` (``gem.envs.registration.
+ENV_REGISTRY`` lists them); the game environments run offline. ``make_env("gem:<id>")``
+builds one. Note that GEM's ``reset(seed)`` seeds Python's and NumPy's *global* random
+generators (``gem.utils.seeding.set_seed``): run GEM environments in their own processes
+(:class:`trainers.envs.runner.EnvRunner`) when other code in the process relies on them.
+
+``import gem`` needs ``reasoning-gym`` (imported by ``gem.envs``); ``gem-llm`` 0.1.0 pins
+``msgspec==0.19.0``, which conflicts with vLLM's, so install it with ``--no-deps`` next to
+``reasoning-gym`` (see ``docs/agentic.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from trainers.deps import require
+from trainers.envs.base import Env, StepResult, check_action, check_seed
+
+__all__ = ["STATE_ATTRIBUTES", "GemEnv", "gem_env_ids"]
+
+#: GEM game class name -> the attributes that make up its state (for :meth:`GemEnv.state_key`)
+STATE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "SokobanEnv": ("room_state", "player_position"),
+    "GuessTheNumberEnv": ("previous_guesses",),
+    "MastermindEnv": ("previous_guesses",),
+    "MinesweeperEnv": ("revealed", "flags"),
+}
+
+
+def _freeze(x: Any) -> Hashable:
+    """A hashable, process-independent copy of a game attribute."""
+    if hasattr(x, "tobytes") and hasattr(x, "shape"):  # numpy array
+        return ("array", tuple(x.shape), str(x.dtype), x.tobytes())
+    if isinstance(x, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_freeze(v)) for v in x)))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted((repr(k), _freeze(v)) for k, v in x.items())))
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
+
+
+def _gem() -> Any:
+    try:
+        return require("gem")
+    except ImportError as e:
+        raise ImportError(
+            "GEM environments need the 'gem-llm' package: pip install reasoning-gym==0.1.23 && "
+            "pip install --no-deps gem-llm==0.1.0"
+        ) from e
+
+
+def gem_env_ids(prefix: str = "game:") -> list[str]:
+    """GEM's registered ids starting with ``prefix`` (``""``: all)."""
+    _gem()
+    from gem.envs.registration import ENV_REGISTRY
+
+    return sorted(k for k in ENV_REGISTRY if k.startswith(prefix))
+
+
+class GemEnv(Env):
+    """A GEM environment (``gem.make(env_id, **kwargs)``) as a rollkit :class:`Env`.
+
+    Args:
+        env_id: a GEM id, e.g. ``"game:GuessTheNumber-v0-easy"``.
+        append_suffix: append ``info["suffix"]`` (the board / the prompt for the next move)
+            to every observation.
+        state_fn: ``gem_env -> hashable`` for :meth:`state_key` (default: module docstring).
+        **kwargs: passed to ``gem.make`` (they override the registered defaults).
+    """
+
+    def __init__(
+        self,
+        env_id: str,
+        *,
+        append_suffix: bool = True,
+        state_fn: Callable[[Any], Hashable] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(env_id, str) or not env_id:
+            raise ValueError(f"env_id: expected a GEM id such as 'game:Sokoban-v0-easy', got {env_id!r}")
+        gem = _gem()
+        from gem.envs.registration import ENV_REGISTRY
+
+        if env_id not in ENV_REGISTRY:
+            close = sorted(k for k in ENV_REGISTRY if k.split("-")[0] == env_id.split("-")[0])
+            raise ValueError(
+                f"env_id: GEM has no environment {env_id!r}" + (f"; did you mean {close}?" if close else "")
+            )
+        self.env_id = env_id
+        self.append_suffix = bool(append_suffix)
+        if state_fn is not None and not callable(state_fn):
+            raise TypeError(f"state_fn: expected a callable or None, got {type(state_fn).__name__}")
+        self.state_fn = state_fn
+        self.env = gem.make(env_id, **kwargs)
+        self.max_turns = getattr(self.env, "max_turns", None)
+        self._last = ""
+
+    def _text(self, obs: Any, info: dict[str, Any]) -> str:
+        text = str(obs)
+        suffix = info.get("suffix") if isinstance(info, dict) else None
+        if self.append_suffix and suffix:
+            text = f"{text}\n{suffix}"
+        return text
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        check_seed(seed)
+        obs, info = self.env.reset(seed=seed)
+        suffix = info.get("suffix", "") if isinstance(info, dict) else ""
+        self._last = str(suffix)
+        return self._text(obs, info), info
+
+    def step(self, action: str) -> StepResult:
+        check_action(action)
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        text = self._text(obs, info)
+        self._last = text
+        return text, float(reward), bool(terminated), bool(truncated), info
+
+    def state_key(self) -> Hashable:
+        game = self.env.unwrapped
+        if self.state_fn is not None:
+            return ("gem", self.env_id, self.state_fn(game))
+        attrs = STATE_ATTRIBUTES.get(type(game).__name__)
+        if attrs and all(hasattr(game, a) for a in attrs):
+            return ("gem", self.env_id, tuple(_freeze(getattr(game, a)) for a in attrs))
+        return ("gem", self.env_id, self._last)
+
+    def sample_random_action(self) -> str:
+        return self.env.sample_random_action()
+
+    def close(self) -> None:
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            close()
