@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = (
     "advantages",
+    "buffer",
     "filters",
     "keys",
     "losses",
@@ -27,6 +28,7 @@ _SUBMODULES = (
     "rewards",
     "td",
     "testing",
+    "trajectory",
     "types",
     "validation",
 )

@@ -49,10 +49,12 @@ EXPECTED_NORUN = {
 # Pages that must contain at least one runnable Python example.
 MUST_RUN = {
     "docs/advantages.md",
+    "docs/agentic.md",
     "docs/concepts.md",
     "docs/index.md",
     "docs/losses.md",
     "docs/rewards.md",
+    "docs/sandbox.md",
     "docs/tensordict.md",
 }
 
@@ -208,6 +210,8 @@ _MODULES = [
     "rollkit.testing",
     "rollkit.keys",
     "rollkit.interop.torchrl",
+    "rollkit.trajectory",
+    "rollkit.buffer",
 ]
 
 
