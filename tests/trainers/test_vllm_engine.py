@@ -257,6 +257,62 @@ def test_bad_arguments(tok, tmp_path):
             VLLMRolloutEngine(path)
 
 
+# --------------------------------------------------------------------------- streaming
+# (before test_untied_lm_head_update: shutting its second in-process engine down tears down
+# the process's vLLM parallel groups, which the shared engine needs)
+
+
+def _multiset(gens):
+    import collections
+
+    return collections.Counter(
+        (g.prompt_index, tuple(g.prompt_ids), tuple(g.token_ids), g.finish_reason) for g in gens
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_generate_iter_equals_generate(engine, prompts, temperature):
+    """Streaming (one vLLM request per sample, seed + j) gives generate()'s samples and log-probs."""
+    params = SamplingParams(n=3, temperature=temperature, max_tokens=20, seed=11)
+    batch = engine.generate(prompts, params)
+    streamed = list(engine.generate_iter(prompts, params))
+    assert len(streamed) == len(batch) == 3 * len(prompts)
+    assert _multiset(streamed) == _multiset(batch)
+    by_key = {(g.prompt_index, tuple(g.token_ids)): g.logprobs for g in batch}
+    for g in streamed:
+        assert g.logprobs == pytest.approx(by_key[(g.prompt_index, tuple(g.token_ids))], abs=1e-6)
+        assert g.policy_version == engine.policy_version
+
+
+def test_generate_iter_yields_before_the_batch_is_done(engine, prompts):
+    """The first sample arrives while vLLM still has unfinished requests; closing early aborts them."""
+    from trainers.engines.base import iter_generations
+
+    # a stop token cuts some samples short, the others run to max_tokens
+    ref = engine.generate(
+        prompts, SamplingParams(n=4, temperature=1.0, max_tokens=24, ignore_eos=True, seed=2)
+    )
+    stop = ref[0].token_ids[2]
+    params = SamplingParams(
+        n=4, temperature=1.0, max_tokens=24, ignore_eos=True, seed=2, stop_token_ids=(stop,)
+    )
+    lengths, unfinished_at = [], []
+    for g in iter_generations(engine, prompts, params):
+        lengths.append(len(g.token_ids))
+        unfinished_at.append(engine.llm.llm_engine.get_num_unfinished_requests())
+    assert min(lengths) <= 3 < max(lengths) == 24
+    assert unfinished_at[0] > 0 and unfinished_at[-1] == 0
+    assert lengths[0] == min(lengths)  # the shortest sample came out first
+    # abandon a stream after its first sample: the rest are aborted, the engine stays usable
+    it = engine.generate_iter(prompts, params)
+    next(it)
+    it.close()
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert _multiset(engine.generate(prompts, params)) == _multiset(
+        list(engine.generate_iter(prompts, params))
+    )
+
+
 @pytest.mark.slow
 def test_untied_lm_head_update(tok, prompts, tmp_path):
     """A separate ``lm_head`` is sent and reloaded like any other weight (a second engine)."""

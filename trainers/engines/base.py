@@ -40,6 +40,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "TrainEngine",
+    "iter_generations",
     "pack",
     "pack_generations",
     "pad_right",
@@ -126,6 +127,26 @@ class RolloutEngine(Protocol):
     def wake(self) -> None:
         """Undo :meth:`sleep`."""
         ...
+
+
+def iter_generations(
+    engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> Iterator[Generation]:
+    """Yield each :class:`Generation` as soon as it is finished, in any order (``prompt_index``
+    says which prompt it belongs to).
+
+    Uses ``engine.generate_iter(prompts, params)`` when the engine has it (HFRolloutEngine
+    yields a sample at the decoding step it finishes, VLLMRolloutEngine per request as vLLM
+    finishes it); otherwise yields the samples of ``engine.generate(prompts, params)`` once
+    the whole batch is done. Either way the samples are those ``generate`` returns for the
+    same seed, as a multiset. Feed them to a :class:`trainers.rewards.RewardPool` to score
+    while the rest of the batch is still generating.
+    """
+    stream = getattr(engine, "generate_iter", None)
+    if callable(stream):
+        yield from stream(prompts, params)
+    else:
+        yield from engine.generate(prompts, params)
 
 
 @runtime_checkable

@@ -19,6 +19,9 @@ reports ``log_softmax(logits)[token]`` (temperature 1, after top-k / top-p masks
 Prompts are left-padded with position ids ``cumsum(mask) - 1``, the layout of
 :func:`trainers.engines.base.pack`, so a sample does not depend on the other prompts of
 the batch (beyond floating-point reduction order).
+
+:meth:`HFRolloutEngine.generate_iter` streams the same samples, each at the decoding step it
+finishes (see :func:`trainers.engines.base.iter_generations` and ``docs/rewards-workers.md``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import gc
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +119,35 @@ class HFRolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``."""
+        out: list[Generation] = []
+        for chunk in self._chunks(prompts, params):
+            done = sorted(chunk, key=lambda bg: bg[0])  # the chunk's rows in order
+            out.extend(g for _, g in done)
+        return out
+
+    def generate_iter(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[Generation]:
+        """Stream :meth:`generate`: yield each sample at the decoding step it finishes.
+
+        The samples are those of :meth:`generate` for the same seed, prompts, params and
+        ``max_batch_size`` (the same sampling loop runs: a finished row stays in the batch,
+        padded, so the random stream is unchanged), in the order they finish: rows of a
+        chunk of ``max_batch_size`` rows come out as they hit a stop token (several in one
+        step in row order), those that reach ``max_tokens`` at the chunk's last step; a
+        chunk starts once the previous one is done. ``prompt_index`` says which prompt a
+        sample belongs to. The work of the next step happens when the consumer asks for the
+        next item, so scoring a sample between items overlaps nothing in this thread:
+        hand it to a :class:`trainers.rewards.RewardPool` (non-blocking ``submit``). Do not
+        call other methods of the engine while the iterator is open.
+        """
+        for chunk in self._chunks(prompts, params):
+            for _, g in chunk:
+                yield g
+
+    def _chunks(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Iterator[Iterator[tuple[int, Generation]]]:
+        """Checks the call, then one iterator per chunk of rows, each yielding ``(row, sample)``
+        as the rows finish (the common path of generate and generate_iter)."""
         if self._sleep_level:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self._needs_weights:
@@ -130,10 +162,8 @@ class HFRolloutEngine:
             stop.update(self.eos_token_ids)
         stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         step = self.max_batch_size or max(len(rows), 1)
-        out: list[Generation] = []
         for s in range(0, len(rows), step):
-            out.extend(self._sample(rows[s : s + step], params, stop_t, gen))
-        return out
+            yield self._sample(rows[s : s + step], params, stop_t, gen)
 
     def generate_text(self, texts: Sequence[str], params: SamplingParams) -> list[str]:
         """Convenience: encode ``texts``, :meth:`generate`, decode (special tokens skipped)."""
@@ -144,7 +174,8 @@ class HFRolloutEngine:
     @torch.inference_mode()
     def _sample(
         self, rows: list[tuple[int, list[int]]], params: SamplingParams, stop: Tensor, gen: torch.Generator
-    ) -> list[Generation]:
+    ) -> Iterator[tuple[int, Generation]]:
+        """Sample ``rows`` as one batch; yield ``(row, Generation)`` at the step each row finishes."""
         B, dev = len(rows), self.device
         P = max(len(p) for _, p in rows)
         ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
@@ -162,6 +193,7 @@ class HFRolloutEngine:
         lps = torch.zeros((B, M), dtype=torch.float32, device=dev)
         length = torch.full((B,), M, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        emitted: set[int] = set()  # rows already yielded (they finished before the last step)
         pos = pos[:, -1:]
         for t in range(M):
             logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
@@ -175,6 +207,10 @@ class HFRolloutEngine:
             hit = torch.isin(tok, stop) & ~done
             length = torch.where(hit, t + 1, length)
             done |= hit
+            finished = hit.nonzero().flatten().tolist()  # a host sync, as done.all() below
+            if finished and t < M - 1 and not bool(done.all()):
+                yield from self._emit(rows, finished, tokens, lps, t + 1, "stop")
+                emitted.update(finished)
             if t == M - 1 or bool(done.all()):
                 break
             mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
@@ -189,17 +225,44 @@ class HFRolloutEngine:
             cache, logits = o.past_key_values, o.logits[:, -1]
 
         tokens, lps, length, done = tokens.cpu(), lps.cpu(), length.tolist(), done.tolist()
-        return [
-            Generation(
-                prompt_index=i,
-                prompt_ids=p,
-                token_ids=tokens[b, : length[b]].tolist(),
-                logprobs=lps[b, : length[b]].tolist(),
-                finish_reason="stop" if done[b] else "length",
-                policy_version=self.policy_version,
+        for b, (i, p) in enumerate(rows):
+            if b not in emitted:
+                yield (
+                    b,
+                    Generation(
+                        prompt_index=i,
+                        prompt_ids=p,
+                        token_ids=tokens[b, : length[b]].tolist(),
+                        logprobs=lps[b, : length[b]].tolist(),
+                        finish_reason="stop" if done[b] else "length",
+                        policy_version=self.policy_version,
+                    ),
+                )
+
+    def _emit(
+        self,
+        rows: list[tuple[int, list[int]]],
+        finished: list[int],
+        tokens: Tensor,
+        lps: Tensor,
+        n: int,
+        reason: str,
+    ) -> Iterator[tuple[int, Generation]]:
+        """The rows ``finished`` at step ``n - 1`` (their ``n`` tokens)."""
+        idx = torch.tensor(finished, device=tokens.device)
+        tok, lp = tokens[idx, :n].cpu(), lps[idx, :n].cpu()
+        for k, b in enumerate(finished):
+            yield (
+                b,
+                Generation(
+                    prompt_index=rows[b][0],
+                    prompt_ids=rows[b][1],
+                    token_ids=tok[k].tolist(),
+                    logprobs=lp[k].tolist(),
+                    finish_reason=reason,  # type: ignore[arg-type]
+                    policy_version=self.policy_version,
+                ),
             )
-            for b, (i, p) in enumerate(rows)
-        ]
 
     # ------------------------------------------------------------------ weights
 

@@ -16,6 +16,8 @@ hf_rollout.HFRolloutEngine`'s conventions exactly:
 * with a ``seed``, sample ``j`` of every prompt uses vLLM's per-request seed ``seed + j``
   (vLLM's own rule for ``n > 1``), so the same seed, prompts and params give the same samples.
   Samples are not the same as HFRolloutEngine's for the same seed (different RNG streams).
+* :meth:`~VLLMRolloutEngine.generate_iter` streams the same samples, each as vLLM finishes it
+  (one request per sample, seed ``seed + j``; see :func:`trainers.engines.base.iter_generations`).
 
 Weights are updated in place with ``llm.collective_rpc("reload_weights",
 kwargs={"weights_iterator": [...]})`` when the engine core runs in this process
@@ -45,12 +47,13 @@ must run before the next ``generate``), so code written on CPU runs unchanged on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -254,14 +257,17 @@ class VLLMRolloutEngine:
             skip_special_tokens=False,
         )
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``."""
+    def _check_can_generate(self, prompts: Sequence[Sequence[int]]) -> None:
         if self._sleep_level:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self._needs_weights:
             raise RuntimeError("weights were discarded by sleep(level=2): call update_weights() first")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``."""
+        self._check_can_generate(prompts)
         if not prompts:
             return []
         token_prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
@@ -275,22 +281,81 @@ class VLLMRolloutEngine:
                 raise RuntimeError(
                     f"vLLM returned {len(samples)} samples for prompt {i}, expected {params.n}"
                 )
-            for c in samples:
-                ids = list(c.token_ids)
-                if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(f"vLLM returned no per-token log-probs for prompt {i}")
-                lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
-                result.append(
-                    Generation(
-                        prompt_index=i,
-                        prompt_ids=p["prompt_token_ids"],
-                        token_ids=ids,
-                        logprobs=lps,
-                        finish_reason=self._finish_reason(c.finish_reason, ids, params),
-                        policy_version=self.policy_version,
-                    )
-                )
+            result.extend(self._to_generation(i, p["prompt_token_ids"], c, params) for c in samples)
         return result
+
+    def _to_generation(self, i: int, prompt_ids: list[int], c: Any, params: SamplingParams) -> Generation:
+        """One vLLM ``CompletionOutput`` of prompt ``i`` as a :class:`Generation`."""
+        ids = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned no per-token log-probs for prompt {i}")
+        lps = [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+        return Generation(
+            prompt_index=i,
+            prompt_ids=prompt_ids,
+            token_ids=ids,
+            logprobs=lps,
+            finish_reason=self._finish_reason(c.finish_reason, ids, params),
+            policy_version=self.policy_version,
+        )
+
+    def generate_iter(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[Generation]:
+        """Stream :meth:`generate`: yield each sample as soon as vLLM finishes it.
+
+        Each sample is its own vLLM request (``n=1``): sample ``j`` of every prompt gets the
+        per-request seed ``seed + j``, the seed vLLM gives the ``j``-th child of an ``n > 1``
+        request, so the samples are those of :meth:`generate` for the same seed (as a
+        multiset; vLLM's seeded sampling uses a generator per request, independent of the
+        batch). Greedy decoding runs one request per prompt and yields ``n`` copies of it.
+        The requests are queued with ``llm.enqueue`` and the engine is driven with
+        ``llm.llm_engine.step()`` (what ``LLM.generate`` does internally), yielding every
+        request whose output is final after a step; the engine keeps its continuous
+        batching. Closing the iterator early aborts the requests still running. Do not
+        call other methods of the engine while the iterator is open.
+        """
+        self._check_can_generate(prompts)
+        if not prompts:
+            return
+        seed = params.seed if params.seed is not None else random.randrange(2**62)
+        per_prompt = 1 if params.temperature == 0 else params.n
+        token_prompts, vparams, owner = [], [], []
+        for i, p in enumerate(prompts):
+            ids = [int(t) for t in p]
+            for j in range(per_prompt):
+                token_prompts.append({"prompt_token_ids": ids})
+                vparams.append(self._vllm_params(dataclasses.replace(params, n=1, seed=seed + j)))
+                owner.append((i, ids))
+        request_ids = self.llm.enqueue(token_prompts, vparams, use_tqdm=False)
+        # enqueue returns vLLM's internal ids ("<external>-<8 random chars>", or the external id
+        # itself when randomisation is off); finished outputs carry the external id.
+        lookup: dict[str, int] = {}
+        for k, rid in enumerate(request_ids):
+            lookup[rid] = k
+            lookup.setdefault(rid.rsplit("-", 1)[0], k)
+        remaining = set(range(len(request_ids)))
+        engine = self.llm.llm_engine
+        try:
+            while remaining:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(
+                        f"vLLM has no unfinished requests but {len(remaining)} samples are missing"
+                    )
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    k = lookup.get(out.request_id)
+                    if k is None or k not in remaining:
+                        raise RuntimeError(f"vLLM returned an unexpected request {out.request_id!r}")
+                    remaining.discard(k)
+                    i, ids = owner[k]
+                    if len(out.outputs) != 1:
+                        raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for one n=1 request")
+                    g = self._to_generation(i, ids, out.outputs[0], params)
+                    for _ in range(params.n if params.temperature == 0 else 1):
+                        yield dataclasses.replace(g)
+        finally:
+            if remaining:
+                engine.abort_request([request_ids[k] for k in remaining], internal=True)
 
     def _finish_reason(
         self, reason: str | None, ids: list[int], params: SamplingParams

@@ -1,0 +1,50 @@
+"""Verifiers for the RewardPool tests, in a module of their own so that worker processes
+(forkserver / spawn) and Ray actors can import them by name.
+
+``scripted`` follows instructions written in the completion, so one verifier exercises every
+failure mode; anything else is scored by the real ``exact_match`` rule.
+"""
+
+import os
+import threading
+import time
+
+from trainers.rewards import exact_match
+
+
+def scripted(completion, prompt):
+    """``sleep:S:R`` sleeps S seconds then returns R; ``raise``; ``exit`` (the process dies);
+    ``started:PATH`` (creates PATH, then hangs); ``nan``; ``main-thread?`` (1.0 on the main thread, else 0.0); else ``exact_match``."""
+    if completion.startswith("sleep:"):
+        _, s, r = completion.split(":")
+        time.sleep(float(s))
+        return float(r)
+    if completion.startswith("started:"):  # tell the test that scoring began, then hang
+        open(completion.split(":", 1)[1], "w").close()
+        time.sleep(60)
+        return 1.0
+    if completion == "raise":
+        raise RuntimeError("verifier failed on purpose")
+    if completion == "exit":
+        os._exit(3)
+    if completion == "nan":
+        return float("nan")
+    if completion == "main-thread?":
+        return 1.0 if threading.current_thread() is threading.main_thread() else 0.0
+    return exact_match(completion, prompt)
+
+
+def sleep_20ms(completion, prompt):
+    """A toy rule that costs 20 ms per sample (the benchmark's verifier)."""
+    time.sleep(0.02)
+    return exact_match(completion, prompt)
+
+
+class FailingSetup:
+    """A verifier whose per-worker setup fails (e.g. a missing model file)."""
+
+    def setup(self):
+        raise RuntimeError("cannot load the reward model")
+
+    def __call__(self, completion, prompt):
+        return 1.0

@@ -1,0 +1,259 @@
+"""Verifiers (exact match, real Math-Verify) and RewardPool backends (inline, process, Ray).
+
+The pool tests score real samples with real worker processes / Ray actors; the verifier
+doubles in ``_reward_doubles`` script each failure mode (raise, sleep past the timeout,
+``os._exit``). Multi-process tests are ``slow``.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import _reward_doubles as doubles
+
+from trainers.data import Prompt
+from trainers.rewards import VERIFIERS, MathVerifier, RewardPool, exact_match, get_verifier
+
+Q = Prompt("12+34=", "46", "addition")
+
+
+# --------------------------------------------------------------------------- verifiers
+
+
+def test_get_verifier():
+    assert get_verifier("exact_match") is exact_match
+    assert isinstance(get_verifier("math_verify"), MathVerifier)
+    assert get_verifier(doubles.scripted) is doubles.scripted
+    assert set(VERIFIERS) >= {"exact_match", "math_verify"}
+    with pytest.raises(ValueError, match=r"unknown name 'nope'.*'exact_match', 'math_verify'"):
+        get_verifier("nope")
+    with pytest.raises(TypeError, match="verifier must be a name"):
+        get_verifier(3)
+
+
+def test_exact_match():
+    assert exact_match("12+34=46", Q) == 1.0
+    assert exact_match("the sum is 46.0", Q) == 1.0
+    assert exact_match("45", Q) == 0.0
+    assert exact_match("", Q) == 0.0
+
+
+math_verify = pytest.importorskip("math_verify")
+
+MATH_CASES = [
+    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),  # a LaTeX gold answer
+    ("x=3", "3", 1.0),
+    ("12+34=46", "46", 1.0),
+    ("The answer is $\\sqrt{4}$", "2", 1.0),
+    ("\\boxed{7}", "3", 0.0),
+    ("I think it is 45", "46", 0.0),
+    ("%%## garbage ]]{", "3", 0.0),
+    ("", "3", 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "answer", "reward"), MATH_CASES)
+def test_math_verify_real_strings(completion, answer, reward):
+    assert MathVerifier()(completion, Prompt("q", answer)) == reward
+
+
+def test_math_verify_outside_workers_disables_its_alarms():
+    """Outside a pool worker Math-Verify runs without signal.alarm: no SIGALRM handler is
+    installed in the caller, and it works in a non-main thread (where alarms would fail)."""
+    before = signal.getsignal(signal.SIGALRM)
+    assert MathVerifier()("\\boxed{\\frac{1}{2}}", Prompt("q", "0.5")) == 1.0
+    assert signal.getsignal(signal.SIGALRM) is before
+    out = []
+    t = threading.Thread(target=lambda: out.append(MathVerifier()("x=3", Prompt("q", "3"))))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+def test_math_verify_bad_gold_and_arguments():
+    with pytest.raises(ValueError, match="cannot parse the answer"):
+        MathVerifier()("3", Prompt("q", " "))
+    with pytest.raises(ValueError, match="timeout_s"):
+        MathVerifier(timeout_s=0)
+
+
+# --------------------------------------------------------------------------- inline pool
+
+
+def test_inline_pool_keys_errors_and_metrics():
+    with RewardPool(doubles.scripted, backend="inline", timeout_s=0.05) as pool:
+        pool.submit(("p0", 0), "46", Q)
+        pool.submit(("p0", 1), "45", Q)
+        pool.submit("boom", "raise", Q)
+        pool.submit("nan", "nan", Q)
+        pool.submit("slow", "sleep:0.1:1", Q)  # cannot be interrupted inline: 0.0 afterwards
+        pool.submit("main", "main-thread?", Q)
+        with pytest.raises(ValueError, match=r"key 'boom' was already submitted"):
+            pool.submit("boom", "46", Q)
+        assert pool.gather() == {
+            ("p0", 0): 1.0,
+            ("p0", 1): 0.0,
+            "boom": 0.0,
+            "nan": 0.0,
+            "slow": 0.0,
+            "main": 1.0,
+        }
+        m = pool.metrics()
+        assert (m["scored"], m["errors"], m["timeouts"], m["crashes"]) == (6, 2, 1, 0)
+        assert m["busy_s"] >= 0.1 and m["pending"] == 0 and m["queue_hwm"] == 1
+        assert any("RuntimeError: verifier failed on purpose" in e for e in pool.recent_errors)
+        # a new round: keys may be reused, gather of an empty round is empty
+        assert pool.gather() == {}
+        pool.submit("boom", "46", Q)
+        assert pool.gather() == {"boom": 1.0}
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit("x", "1", Q)
+
+
+def test_pool_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        RewardPool("exact_match", backend="threads")
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardPool("exact_match", backend="process", num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool("exact_match", timeout_s=0)
+    with pytest.raises(ValueError, match="start_method"):
+        RewardPool("exact_match", backend="process", start_method="fork")
+    with pytest.raises(TypeError, match="picklable"):
+        RewardPool(lambda c, p: 1.0, backend="process")
+    with RewardPool("exact_match") as pool, pytest.raises(TypeError, match="completion must be a str"):
+        pool.submit(0, [1, 2], Q)
+
+
+# --------------------------------------------------------------------------- process / ray pools
+
+
+def run_failure_scenario(pool, *, timeout_s):
+    """Out-of-order completion, a raise, a timeout and a dying worker in one round, then a
+    clean round on the replaced workers. Returns the metrics."""
+    # sample k sleeps (6 - k) * 50 ms and returns k: later submissions finish first
+    for k in range(6):
+        pool.submit(("ordered", k), f"sleep:{(6 - k) * 0.05}:{k}", Q)
+    pool.submit("raise", "raise", Q)
+    pool.submit("hang", f"sleep:{timeout_s * 20}:1", Q)
+    pool.submit("exit", "exit", Q)
+    pool.submit("right", "46", Q)
+    pool.submit("main", "main-thread?", Q)
+    t0 = time.perf_counter()
+    got = pool.gather()
+    assert time.perf_counter() - t0 < timeout_s * 10  # the hang was cut short
+    assert got == {
+        **{("ordered", k): float(k) for k in range(6)},
+        "raise": 0.0,
+        "hang": 0.0,
+        "exit": 0.0,
+        "right": 1.0,
+        "main": 1.0,  # workers score on their main thread
+    }
+    m = pool.metrics()
+    assert (m["scored"], m["errors"], m["timeouts"], m["crashes"]) == (11, 1, 1, 1)
+    assert m["restarts"] == 2 and m["queue_hwm"] == 11 and m["pending"] == 0
+    # the replacements work
+    for k in range(8):
+        pool.submit(k, "46" if k % 2 else "45", Q)
+    assert pool.gather() == {k: float(k % 2) for k in range(8)}
+    assert pool.metrics()["scored"] == 19
+    return m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_process_pool_failures(start_method):
+    with RewardPool(
+        doubles.scripted, backend="process", num_workers=2, timeout_s=0.5, start_method=start_method
+    ) as pool:
+        pids = pool.worker_pids()
+        run_failure_scenario(pool, timeout_s=0.5)
+        assert len(set(pool.worker_pids()) - set(pids)) == 2  # the hung and the dead worker
+
+
+@pytest.mark.slow
+def test_process_pool_worker_killed_from_outside(tmp_path):
+    flag = tmp_path / "started"
+    with RewardPool(doubles.scripted, backend="process", num_workers=1, timeout_s=30) as pool:
+        pool.submit("a", f"started:{flag}", Q)
+        deadline = time.time() + 20
+        while not flag.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        assert flag.exists()
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        pool.submit("b", "46", Q)
+        assert pool.gather() == {"a": 0.0, "b": 1.0}
+        m = pool.metrics()
+        assert (m["crashes"], m["restarts"], m["timeouts"]) == (1, 1, 0)
+        assert any("died" in e for e in pool.recent_errors)
+
+
+@pytest.mark.slow
+def test_process_pool_setup_failure_raises():
+    with RewardPool(doubles.FailingSetup(), backend="process", num_workers=1, timeout_s=5) as pool:
+        pool.submit("a", "x", Q)
+        with pytest.raises(RuntimeError, match="cannot load the reward model"):
+            pool.gather()
+
+
+@pytest.mark.slow
+def test_math_verify_in_workers():
+    """Real Math-Verify in worker processes: correct rewards; ``9^{9^{9^{9}}}`` (sympy would
+    run for ever) is stopped by the pool's timeout when Math-Verify's own alarm is longer,
+    and by Math-Verify's alarm (which needs the worker's main thread) when it is shorter."""
+    cases = [(c, a, r) for c, a, r in MATH_CASES]
+    with RewardPool(MathVerifier(timeout_s=60), backend="process", num_workers=2, timeout_s=3) as pool:
+        for k, (c, a, _) in enumerate(cases):
+            pool.submit(k, c, Prompt("q", a))
+        pool.submit("hang", "\\boxed{9^{9^{9^{9}}}}", Prompt("q", "3"))
+        got = pool.gather()
+        assert got == {**{k: r for k, (_, _, r) in enumerate(cases)}, "hang": 0.0}
+        assert pool.metrics()["timeouts"] == 1
+    with RewardPool(MathVerifier(timeout_s=1), backend="process", num_workers=1, timeout_s=30) as pool:
+        t0 = time.perf_counter()
+        pool.submit("hang", "\\boxed{9^{9^{9^{9}}}}", Prompt("q", "3"))
+        pool.submit("ok", "\\boxed{3}", Prompt("q", "3"))
+        assert pool.gather() == {"hang": 0.0, "ok": 1.0}
+        assert pool.metrics()["timeouts"] == 0 and time.perf_counter() - t0 < 25
+
+
+def test_ray_backend_needs_ray_init():
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("a Ray session is running")
+    with pytest.raises(RuntimeError, match=r"ray.init\(\)"):
+        RewardPool("exact_match", backend="ray")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle  # Ray's own (vendored) cloudpickle serialises task arguments
+
+    cloudpickle.register_pickle_by_value(doubles)  # Ray workers need not find the test module
+    ray.init(num_cpus=2, object_store_memory=80 * 1024**2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    cloudpickle.unregister_pickle_by_value(doubles)
+
+
+@pytest.mark.slow
+def test_ray_pool_failures(ray_session):
+    with RewardPool(doubles.scripted, backend="ray", num_workers=2, timeout_s=1.0) as pool:
+        run_failure_scenario(pool, timeout_s=1.0)
+
+
+@pytest.mark.slow
+def test_ray_pool_math_verify_alarm_works_in_actors(ray_session):
+    with RewardPool(MathVerifier(timeout_s=1), backend="ray", num_workers=1, timeout_s=30) as pool:
+        pool.submit("hang", "\\boxed{9^{9^{9^{9}}}}", Prompt("q", "3"))
+        pool.submit("ok", "x=3", Prompt("q", "3"))
+        assert pool.gather() == {"hang": 0.0, "ok": 1.0}
+        assert pool.metrics()["timeouts"] == 0 and pool.metrics()["errors"] == 0
