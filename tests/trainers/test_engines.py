@@ -383,6 +383,41 @@ def test_gradient_checkpointing_same_gradient(tok, prompts):
         torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prompt_forward_equals_full_forward(tok, prompts, temperature):
+    """n samples per prompt: the prompt runs once, the logits and gradients do not change."""
+    gens = HFRolloutEngine(tiny_qwen2(tok), tok).generate(
+        prompts, SamplingParams(n=4, max_tokens=7, seed=3, temperature=temperature)
+    )
+    b = pack_generations(gens, tok.pad_token_id)
+    assert len({tuple(r) for r in b.input_ids[:, : b.prompt_len].tolist()}) == len(prompts) < len(gens)
+    res = []
+    for share in (False, True):
+        train = TorchTrainEngine(tiny_qwen2(tok), share_prompts=share)
+        lp, ent = train.logprobs(
+            b.input_ids, b.attention_mask, b.response_mask, temperature=temperature, with_entropy=True
+        )
+        train.backward(-aggregate(lp + 0.1 * ent, b.response_mask))
+        res.append((lp.detach(), ent.detach(), grads_of(train)))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(res[0][1], res[1][1], rtol=0, atol=1e-5)
+    assert float((res[0][0] - b.old_logprobs).abs()[b.response_mask].max()) < ATOL
+    for k in res[0][2]:
+        torch.testing.assert_close(res[0][2][k], res[1][2][k], rtol=1e-4, atol=1e-6)
+    # Distinct prompts only (nothing to share) and a one-token response take the same path as before.
+    single = TorchTrainEngine(tiny_qwen2(tok))
+    one = pack_generations(gens[::4], tok.pad_token_id)
+    with torch.no_grad():
+        lp = single.logprobs(one.input_ids, one.attention_mask, one.response_mask, temperature=temperature)
+    torch.testing.assert_close(lp, res[0][0][::4][:, : lp.shape[1]], rtol=0, atol=1e-5)
+    short = pack([p for p in prompts for _ in range(2)], [[5]] * 6, tok.pad_token_id)
+    with torch.no_grad():
+        a = single.logprobs(short.input_ids, short.attention_mask, short.response_mask)
+        single.share_prompts = False
+        c = single.logprobs(short.input_ids, short.attention_mask, short.response_mask)
+    torch.testing.assert_close(a, c, rtol=0, atol=1e-5)
+
+
 def test_autocast_bf16_keeps_fp32_master_weights(tok, prompts):
     gens = HFRolloutEngine(tiny_qwen2(tok), tok).generate(prompts, SamplingParams(n=2, max_tokens=6, seed=0))
     b = pack_generations(gens, tok.pad_token_id)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from trainers.engines.base import position_ids_from_mask
 
-__all__ = ["TorchTrainEngine", "token_logprobs"]
+__all__ = ["TorchTrainEngine", "response_logits", "token_logprobs"]
 
 
 def token_logprobs(
@@ -51,6 +51,67 @@ def token_logprobs(
     if temperature != 1.0:
         z = z / temperature
     return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
+def response_logits(
+    model: Any,
+    input_ids: Tensor,  # [B, P + T] (layout of trainers.engines.base.pack)
+    attention_mask: Tensor,  # [B, P + T]
+    T: int,
+    *,
+    share_prompts: bool = True,
+) -> Tensor:  # [B, T, V]
+    """The logits that predict the ``T`` response tokens: row ``b``, column ``t`` holds the
+    logits at position ``P - 1 + t`` (which predict token ``P + t``).
+
+    Prompt sharing (``share_prompts``): in RL batches the ``n`` samples of a prompt repeat it
+    token for token. The distinct prompts (rows of ``input_ids[:, :P]`` with their mask) go
+    through the model once, with the KV cache on; the cache is gathered to the ``B`` rows
+    (an index, so the backward sums the rows' gradients into the shared prompt), and the
+    responses run on top of it. Attention sees exactly the same keys and values at the same
+    positions as in one forward over the whole sequence, so the logits and gradients are the
+    same up to float rounding (tested to 1e-5), while the prompt costs ``U / B`` of the
+    compute (``U`` distinct prompts). Used when there are fewer distinct prompts than rows;
+    otherwise, and with ``share_prompts=False``, one ordinary forward over ``[B, P + T]``
+    (only the last ``T + 1`` positions go through the LM head).
+    """
+    B, L = input_ids.shape
+    P = L - T
+    pos = position_ids_from_mask(attention_mask)
+    if share_prompts and B > 1 and T > 0:
+        uniq, inv = torch.unique(
+            torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], 1),
+            dim=0,
+            return_inverse=True,
+        )
+        if uniq.shape[0] < B:
+            p_ids, p_mask = uniq[:, :P], uniq[:, P:].to(attention_mask.dtype)
+            head = model(
+                input_ids=p_ids,
+                attention_mask=p_mask,
+                position_ids=position_ids_from_mask(p_mask),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = head.past_key_values
+            cache.batch_select_indices(inv)  # [U, ...] -> [B, ...], differentiable gather
+            tail = model(
+                input_ids=input_ids[:, P:],
+                attention_mask=attention_mask,
+                position_ids=pos[:, P:],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=T,
+            )
+            return torch.cat([head.logits[inv], tail.logits[:, :-1]], dim=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=pos,
+        use_cache=False,
+        logits_to_keep=T + 1,
+    )
+    return out.logits[:, :-1]
 
 
 class TorchTrainEngine:
@@ -75,6 +136,10 @@ class TorchTrainEngine:
             ``dtype`` (float32 master weights); the log-softmax is still taken in float32.
             ``None`` (default): no autocast. On CPUs with AMX / AVX512-BF16 bfloat16 matmuls
             are several times faster than float32 (measured in docs/engines.md).
+        share_prompts: run each distinct prompt of a micro-batch through the model once and
+            let its samples attend to that prompt's keys/values (:func:`response_logits`):
+            with ``n`` samples per prompt the prompt tokens cost ``1/n`` as much, forward and
+            backward, for the same log-probs and gradients. Off under gradient checkpointing.
         process_group: the data-parallel group (default: the world, if initialised).
 
     A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
@@ -95,6 +160,7 @@ class TorchTrainEngine:
         device: str | torch.device = "cpu",
         gradient_checkpointing: bool = False,
         autocast: torch.dtype | None = None,
+        share_prompts: bool = True,
         process_group: Any = None,
     ) -> None:
         if autocast not in (None, torch.bfloat16, torch.float16):
@@ -102,6 +168,8 @@ class TorchTrainEngine:
         self.autocast = autocast
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype)
+        self.share_prompts = share_prompts
+        self._ckpt = gradient_checkpointing
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -167,14 +235,9 @@ class TorchTrainEngine:
         with torch.autocast(
             self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None
         ):
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask),
-                use_cache=False,
-                logits_to_keep=T + 1,
-            )
-        logits = out.logits[:, :-1]  # [B, T, V]: position L-T-1+t predicts token L-T+t
+            logits = response_logits(
+                self.model, input_ids, attention_mask, T, share_prompts=self.share_prompts and not self._ckpt
+            )  # [B, T, V]: position L-T-1+t predicts token L-T+t
         lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
         if not with_entropy:
             return lp
