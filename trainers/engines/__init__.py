@@ -20,6 +20,7 @@ from trainers.engines.hf_rollout import HFRolloutEngine, process_logits
 from trainers.engines.torch_train import TorchTrainEngine, token_logprobs
 
 __all__ = [
+    "DeepSpeedTrainEngine",
     "Generation",
     "HFRolloutEngine",
     "PackedBatch",
@@ -34,3 +35,13 @@ __all__ = [
     "process_logits",
     "token_logprobs",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy: importing DeepSpeedTrainEngine's module sets DS_ACCELERATOR=cpu on machines
+    # without CUDA (before deepspeed is imported); deepspeed itself loads when one is built.
+    if name == "DeepSpeedTrainEngine":
+        from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
+
+        return DeepSpeedTrainEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
