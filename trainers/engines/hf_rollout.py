@@ -178,15 +178,23 @@ class HFRolloutEngine:
         """Sample ``rows`` as one batch; yield ``(row, Generation)`` at the step each row finishes."""
         B, dev = len(rows), self.device
         P = max(len(p) for _, p in rows)
-        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for b, (_, p) in enumerate(rows):
-            ids[b, P - len(p) :] = torch.tensor(p)
-            mask[b, P - len(p) :] = 1
+        # Prefill each distinct prompt once (the n samples of a prompt repeat it), then gather
+        # its KV cache and last logits to every row that samples from it.
+        first: dict[tuple[int, ...], int] = {}
+        inv = torch.tensor([first.setdefault(tuple(p), len(first)) for _, p in rows], device=dev)
+        uniq = list(first)
+        ids = torch.full((len(uniq), P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(uniq), P), dtype=torch.long)
+        for u, p in enumerate(uniq):
+            ids[u, P - len(p) :] = torch.tensor(p)
+            mask[u, P - len(p) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = position_ids_from_mask(mask)
         o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
         cache, logits = o.past_key_values, o.logits[:, -1]
+        if len(uniq) < B:
+            cache.batch_select_indices(inv)
+            logits, mask, pos = logits[inv], mask[inv], pos[inv]
 
         M = params.max_tokens
         tokens = torch.full((B, M), self.pad_token_id, dtype=torch.long, device=dev)
