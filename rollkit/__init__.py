@@ -26,6 +26,7 @@ _SUBMODULES = (
     "ops",
     "registry",
     "rewards",
+    "scheduling",
     "td",
     "testing",
     "trajectory",

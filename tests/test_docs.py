@@ -215,6 +215,7 @@ _MODULES = [
     "rollkit.interop.torchrl",
     "rollkit.trajectory",
     "rollkit.buffer",
+    "rollkit.scheduling",
 ]
 
 
