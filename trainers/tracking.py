@@ -6,6 +6,15 @@ TensorBoard events (``torch.utils.tensorboard``) to ``<dir>/tb``; with ``matplot
 installed, :meth:`Tracker.plot` draws reward and held-out accuracy per step to
 ``<dir>/curves.png``. A missing optional package is reported once in :attr:`Tracker.notes`,
 never an error.
+
+Experiment trackers, used only when asked for (``wandb=True`` / ``swanlab=True``) and installed:
+Weights & Biases (``wandb``) and SwanLab (``swanlab``). Both run **offline** unless
+``online=True``: W&B with ``mode="offline"`` (the run lands in ``<dir>/wandb/offline-run-*``;
+upload it later with ``wandb sync <that dir>``), SwanLab with ``mode="offline"`` (the run lands in
+``<dir>/swanlog/run-*``; upload it later with ``swanlab sync <that dir>``). A backend that is not
+installed, fails to start, or fails while logging is switched off with a one-line note in
+:attr:`Tracker.notes`; it never stops the training run. The JSONL file stays the source of
+truth (it is what ``resume_step`` continues).
 """
 
 from __future__ import annotations
@@ -28,10 +37,13 @@ def _clean(v: Any) -> Any:
 
 
 class Tracker:
-    """``log(step, metrics)`` to JSONL (+ TensorBoard); ``plot()`` at the end; ``close()``.
+    """``log(step, metrics)`` to JSONL (+ TensorBoard, W&B, SwanLab); ``plot()`` at the end; ``close()``.
 
-    ``resume=True`` keeps the existing JSONL lines up to ``resume_step`` (a resumed run
-    continues the same file).
+    ``resume_step`` keeps the existing JSONL lines up to that step (a resumed run continues the
+    same file). ``wandb`` / ``swanlab`` turn the experiment trackers on (``project``,
+    ``run_name`` and ``config`` name the run; offline unless ``online``); the live runs are in
+    :attr:`backends` (``{"wandb": run, "swanlab": run}``), the reasons for any that are off in
+    :attr:`notes`.
     """
 
     def __init__(
@@ -41,6 +53,12 @@ class Tracker:
         tensorboard: bool = True,
         plot: bool = True,
         resume_step: int | None = None,
+        wandb: bool = False,
+        swanlab: bool = False,
+        project: str = "rollkit",
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        online: bool = False,
     ) -> None:
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -63,16 +81,53 @@ class Tracker:
                 self.tb = SummaryWriter(str(self.dir / "tb"))
         if plot and importlib.util.find_spec("matplotlib") is None:
             self.notes.append("no PNG plot: matplotlib is not installed (metrics.jsonl has the numbers)")
+        if not isinstance(project, str) or not project:
+            raise ValueError(f"project: expected a non-empty str, got {project!r}")
+        if run_name is not None and not isinstance(run_name, str):
+            raise ValueError(f"run_name: expected a str or None, got {type(run_name).__name__}")
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"config: expected a dict or None, got {type(config).__name__}")
+        self.backends: dict[str, Any] = {}
+        mode = "online" if online else "offline"
+        if wandb:
+            self._start("wandb", "W&B", lambda m: _start_wandb(m, self.dir, project, run_name, config, mode))
+        if swanlab:
+            self._start(
+                "swanlab", "SwanLab", lambda m: _start_swanlab(m, self.dir, project, run_name, config, mode)
+            )
+
+    def _start(self, package: str, label: str, start: Any) -> None:
+        if importlib.util.find_spec(package) is None:
+            self.notes.append(f"{label} logging off: the {package} package is not installed")
+            return
+        try:
+            self.backends[package] = start(importlib.import_module(package))
+        except Exception as e:  # a tracker must never stop the training run
+            self.notes.append(f"{label} logging off: it failed to start: {_one_line(e)}")
+
+    def _log_backends(self, step: int, scalars: dict[str, float]) -> None:
+        for name, run in list(self.backends.items()):
+            try:
+                run.log(scalars, step=step)
+            except Exception as e:
+                self.notes.append(f"{name} logging off from step {step}: log failed: {_one_line(e)}")
+                self._finish(name)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": int(step), **{k: _clean(v) for k, v in metrics.items()}}
         self.history.append(row)
         with self.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        scalars = {
+            k: v
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.backends:
+            self._log_backends(int(step), scalars)
 
     def plot(self) -> Path | None:
         """Reward mean and held-out accuracy per step to ``curves.png``; ``None`` without matplotlib."""
@@ -97,10 +152,54 @@ class Tracker:
         plt.close(fig)
         return path
 
+    def _finish(self, name: str) -> None:
+        run = self.backends.pop(name, None)
+        if run is None:
+            return
+        try:
+            run.finish()
+        except Exception as e:
+            self.notes.append(f"{name}: finish failed: {_one_line(e)}")
+
     def close(self) -> None:
+        """Flush and close TensorBoard and finish the W&B / SwanLab runs (idempotent)."""
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        for name in list(self.backends):
+            self._finish(name)
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def _start_wandb(wandb: Any, log_dir: Path, project: str, name: str | None, config: Any, mode: str) -> Any:
+    """A W&B run in ``<log_dir>/wandb`` (``mode="offline"``: nothing leaves the machine)."""
+    settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_git=True)
+    return wandb.init(
+        project=project,
+        name=name,
+        dir=str(log_dir),
+        config=config,
+        mode=mode,
+        reinit="create_new",
+        settings=settings,
+    )
+
+
+def _start_swanlab(
+    swanlab: Any, log_dir: Path, project: str, name: str | None, config: Any, mode: str
+) -> Any:
+    """A SwanLab run in ``<log_dir>/swanlog`` (``mode="offline"``: saved locally, synced later)."""
+    return swanlab.init(
+        project=project,
+        name=name,
+        log_dir=str(log_dir / "swanlog"),
+        config=config,
+        mode=mode,
+    )
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
