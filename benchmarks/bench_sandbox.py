@@ -59,7 +59,7 @@ class LocalAdaptiveTimeout:
             s = self._slowest.get(problem_id)
         return self.t_max if s is None else min(max(self.lam * s, self.t_min), self.t_max)
 
-    def observe(self, problem_id: str, run_seconds: float, correct: bool) -> None:
+    def observe(self, problem_id: str, run_seconds: float, *, correct: bool) -> None:
         if correct:
             with self._lock:
                 self._slowest[problem_id] = max(self._slowest.get(problem_id, 0.0), run_seconds)

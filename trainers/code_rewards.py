@@ -30,7 +30,7 @@ its own execution harness is not used (it ``exec``\\ s in-process with the guard
 An adaptive timeout policy (RollPacker, Gao et al., 2025: per-prompt timeouts learned from the
 run times of correct responses, instead of one fixed limit that ~5% of samples hit) plugs in as
 any object with ``timeout(problem_id) -> float`` and ``observe(problem_id, run_seconds,
-correct)``, e.g. ``rollkit.scheduling.AdaptiveTimeout``.
+*, correct)``, e.g. ``rollkit.scheduling.AdaptiveTimeout``.
 
 >>> p = CodeProblem("add", stdio=(StdioCase("2 3\\n", "5"), StdioCase("10 -1\\n", "9")))
 >>> verify = CodeVerifier(timeout_s=5)
@@ -76,7 +76,7 @@ class TimeoutPolicy(Protocol):
 
     def timeout(self, problem_id: str) -> float: ...
 
-    def observe(self, problem_id: str, run_seconds: float, correct: bool) -> None: ...
+    def observe(self, problem_id: str, run_seconds: float, *, correct: bool) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -254,7 +254,7 @@ class CodeVerifier:
         mode: ``"all"`` (1.0 only if every case passes) or ``"fraction"``.
         timeout_s: the fixed per-run wall-clock limit, used when ``timeout_policy`` is None.
         timeout_policy: an object with ``timeout(problem_id)`` and ``observe(problem_id,
-            run_seconds, correct)`` (RollPacker's adaptive timeout); each completion is run with
+            run_seconds, *, correct)`` (RollPacker's adaptive timeout); each completion is run with
             ``timeout(problem_id)`` and then reported with its longest run and its correctness.
         problems: optional side mapping from answer strings to problems.
         **sandbox: forwarded to :func:`trainers.sandbox.run_python` (``isolation``, ``memory_mb``,
@@ -277,7 +277,7 @@ class CodeVerifier:
             and callable(getattr(timeout_policy, "observe", None))
         ):
             raise TypeError(
-                "timeout_policy must have timeout(problem_id) and observe(problem_id, seconds, correct)"
+                "timeout_policy must have timeout(problem_id) and observe(problem_id, seconds, *, correct)"
             )
         self.mode = mode
         self.timeout_s = timeout_s
@@ -305,7 +305,7 @@ class CodeVerifier:
         t = float(pol.timeout(problem.problem_id)) if pol is not None else self.timeout_s
         rep = run_tests(extract_code(completion_text), problem, mode=self.mode, timeout_s=t, **self.sandbox)
         if pol is not None and rep.results:
-            pol.observe(problem.problem_id, rep.max_run_s, rep.score == 1.0)
+            pol.observe(problem.problem_id, rep.max_run_s, correct=rep.score == 1.0)
         return rep
 
     def __call__(self, completion_text: str, prompt: Any) -> float:

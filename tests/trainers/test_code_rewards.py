@@ -167,7 +167,7 @@ class RecordingPolicy:
     def timeout(self, problem_id):
         return self.t
 
-    def observe(self, problem_id, run_seconds, correct):
+    def observe(self, problem_id, run_seconds, *, correct):
         self.seen.append((problem_id, run_seconds, correct))
 
 
@@ -259,11 +259,11 @@ def test_bench_sandbox_tiny(capsys):
     # the local policy implements the documented rule
     pol = mod.LocalAdaptiveTimeout(lam=2.0, t_min=0.5, t_max=3.0)
     assert pol.timeout("p") == 3.0
-    pol.observe("p", 0.1, False)
+    pol.observe("p", 0.1, correct=False)
     assert pol.timeout("p") == 3.0
-    pol.observe("p", 0.1, True)
+    pol.observe("p", 0.1, correct=True)
     assert pol.timeout("p") == 0.5
-    pol.observe("p", 1.0, True)
+    pol.observe("p", 1.0, correct=True)
     assert pol.timeout("p") == 2.0
-    pol.observe("p", 5.0, True)
+    pol.observe("p", 5.0, correct=True)
     assert pol.timeout("p") == 3.0
