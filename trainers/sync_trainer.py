@@ -1,29 +1,41 @@
-"""The synchronous RLVR trainer: one readable loop over injected rollout and training engines.
+"""The synchronous RLVR trainer: one readable loop over rollout, train, reference and reward roles.
 
 :meth:`SyncTrainer.step` is the whole RL step on one screen::
 
-    sample prompts -> generate n per prompt -> reward each sample -> filter (dynamic sampling:
-    refill until the batch is full, at most filter.max_rounds rounds) -> [reference log-probs]
-    -> advantages (registry name) -> ppo_epochs x mini-batches x micro-batches of
-    policy loss (registry name) + aggregate(global_normalizers) -> step -> push weights -> log
+    sample prompts -> generate n per prompt, scoring each sample as it finishes (RewardPool)
+    -> filter (dynamic sampling: refill until the batch is full, at most filter.max_rounds
+    rounds) -> [reference log-probs] -> advantages (registry name) -> [rollout.sleep()]
+    -> learner.update: ppo_epochs x mini-batches x micro-batches of policy loss (registry
+    name) + aggregate(global_normalizers) -> [rollout.wake()] -> push weights -> log
 
 Everything algorithmic is a rollkit primitive picked by name in :class:`~trainers.config.Config`.
-The engines are whatever implements :class:`~trainers.engines.base.RolloutEngine` and
-:class:`~trainers.engines.base.TrainEngine` (the embedded transformers / PyTorch defaults
-here; vLLM, DeepSpeed or Ray-actor proxies slot in through the constructor). The reference
-policy for KL is a frozen copy of the initial policy behind the same ``logprobs`` interface.
+The loop talks to four roles through small interfaces, so the same code runs in this process
+and on Ray (:mod:`trainers.ray`, ``ray.enabled=true``; docs/distributed.md):
+
+* rollout: :class:`~trainers.engines.base.RolloutEngine` (``generate`` / ``generate_iter``,
+  ``update_weights``, ``sleep`` / ``wake``): an engine, or a group of Ray rollout actors;
+* train (the *learner*): ``update(batch, advantages, ref_logprobs, seed=) -> metrics`` and
+  ``export_weights()``: :class:`LocalLearner` runs :func:`ppo_update` on a
+  :class:`~trainers.engines.base.TrainEngine` here; a Ray train group runs the same
+  :func:`ppo_update` on every data-parallel rank;
+* reference: the frozen initial policy behind the TrainEngine ``logprobs`` method (or a Ray
+  actor's ``batch_logprobs``), used when ``algorithm.kl.coef > 0``;
+* reward: a :class:`~trainers.rewards.RewardPool` (inline, worker processes or Ray actors).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import random
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -36,15 +48,36 @@ from trainers.data import (
     PromptIterator,
     addition_task,
     encode_prompt,
-    exact_match_reward,
     load_prompts,
 )
-from trainers.engines.base import RolloutEngine, SamplingParams, TrainEngine, pack_generations
+from trainers.engines.base import (
+    PackedBatch,
+    RolloutEngine,
+    SamplingParams,
+    TrainEngine,
+    iter_generations,
+    pack_generations,
+)
 from trainers.tracking import Tracker
 
-__all__ = ["SyncTrainer", "build_engines", "build_prompts", "supervised_warmup"]
+__all__ = [
+    "Learner",
+    "LocalLearner",
+    "SyncTrainer",
+    "UpdateSpec",
+    "UpdateStats",
+    "build_engines",
+    "build_model",
+    "build_prompts",
+    "make_rollout_engine",
+    "make_train_engine",
+    "ppo_update",
+    "supervised_warmup",
+]
 
 RewardFn = Callable[[str, str], float]
+ROLLOUT_ENGINES = ("hf", "vllm")
+TRAIN_ENGINES = ("torch", "deepspeed")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -55,8 +88,6 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _lr_lambda(cfg: Config) -> Callable[[int], float]:
-    import math
-
     warm, total, kind = cfg.train.warmup_steps, max(cfg.train.steps, 1), cfg.train.lr_schedule
     if kind not in ("constant", "cosine"):
         raise ValueError(f"train.lr_schedule must be constant or cosine, got {kind!r}")
@@ -71,46 +102,87 @@ def _lr_lambda(cfg: Config) -> Callable[[int], float]:
     return f
 
 
-def build_engines(cfg: Config) -> tuple[RolloutEngine, TrainEngine, Any]:
-    """``(rollout, train, tokenizer)`` for ``cfg.model`` with the embedded default engines.
-
-    Other engines (vLLM, DeepSpeed, Ray actors) are passed to :class:`SyncTrainer` directly.
-    """
-    from trainers.engines import HFRolloutEngine, TorchTrainEngine
+def build_model(cfg: Config) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of ``cfg.model``: the tiny Qwen2 + character tokenizer for
+    ``"tiny"``, else a local Hugging Face checkpoint (``""``: the embedded default)."""
     from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
 
-    if cfg.rollout.engine != "hf" or cfg.train.engine != "torch":
-        raise ValueError(
-            f"rollout.engine={cfg.rollout.engine!r} / train.engine={cfg.train.engine!r}: build_engines "
-            "makes the embedded defaults (hf / torch); pass other engines to SyncTrainer(rollout=, train=)"
-        )
     dtype = _dtype(cfg.model.dtype)
     if cfg.model.path == "tiny":
         tok = char_tokenizer()
-        model = tiny_qwen2(tok, seed=cfg.model.tiny_seed, dtype=dtype)
-    else:
-        path = cfg.model.path or default_model_path()
-        if not Path(path).exists():
-            raise ValueError(f"model.path: {path} does not exist (give a local HF checkpoint directory)")
-        model, tok = load_model(path, dtype=dtype)
-    rollout = HFRolloutEngine(
-        copy.deepcopy(model),
-        tok,
-        device=cfg.train.device,
-        dtype=dtype,
-        max_batch_size=cfg.rollout.max_batch_size,
-    )
-    lam = _lr_lambda(cfg)
-    train = TorchTrainEngine(
-        model,
-        lr=cfg.train.lr,
-        weight_decay=cfg.train.weight_decay,
-        grad_clip=cfg.train.grad_clip,
+        m = cfg.model
+        return tiny_qwen2(
+            tok, seed=m.tiny_seed, heads=m.tiny_heads, kv_heads=m.tiny_kv_heads, dtype=dtype
+        ), tok
+    path = cfg.model.path or default_model_path()
+    if not Path(path).exists():
+        raise ValueError(f"model.path: {path} does not exist (give a local HF checkpoint directory)")
+    return load_model(path, dtype=dtype)
+
+
+def make_rollout_engine(cfg: Config, model: Any, tokenizer: Any, *, device: str) -> RolloutEngine:
+    """The ``rollout.engine`` engine over ``model`` (used as is: pass a copy). vLLM loads from
+    a directory: the model and tokenizer are saved to a private temporary directory first,
+    which lives as long as the engine (``engine.model_dir``)."""
+    r = cfg.rollout
+    if r.engine == "hf":
+        from trainers.engines import HFRolloutEngine
+
+        return HFRolloutEngine(
+            model, tokenizer, device=device, dtype=_dtype(cfg.model.dtype), max_batch_size=r.max_batch_size
+        )
+    if r.engine == "vllm":
+        from trainers.engines.vllm_rollout import VLLMRolloutEngine
+        from trainers.models import save_model
+
+        tmp = tempfile.TemporaryDirectory(prefix="rollkit-vllm-")
+        save_model(model, tokenizer, tmp.name)
+        eng = VLLMRolloutEngine(
+            tmp.name,
+            dtype=cfg.model.dtype,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_model_len=r.max_model_len,
+            seed=cfg.seed,
+        )
+        eng.model_dir = tmp  # removed with the engine
+        return eng
+    raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
+
+
+def make_train_engine(cfg: Config, model: Any, *, device: str) -> TrainEngine:
+    """The ``train.engine`` engine over ``model`` (``torch`` or ``deepspeed`` with
+    ``train.zero_stage``), with the config's optimizer settings and LR schedule."""
+    t, dtype, lam = cfg.train, _dtype(cfg.model.dtype), _lr_lambda(cfg)
+    kw = dict(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lam),
         dtype=dtype,
-        device=cfg.train.device,
+        device=device,
     )
-    return rollout, train, tok
+    if t.engine == "torch":
+        from trainers.engines import TorchTrainEngine
+
+        return TorchTrainEngine(model, **kw)
+    if t.engine == "deepspeed":
+        from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
+
+        return DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, **kw)
+    raise ValueError(f"train.engine must be one of {TRAIN_ENGINES}, got {t.engine!r}")
+
+
+def build_engines(
+    cfg: Config, *, model: Any = None, tokenizer: Any = None
+) -> tuple[RolloutEngine, TrainEngine, Any]:
+    """``(rollout, train, tokenizer)`` in this process: ``rollout.engine`` / ``train.engine``
+    over ``model`` (default :func:`build_model`); the rollout gets a copy of the weights."""
+    if model is None:
+        model, tokenizer = build_model(cfg)
+    elif tokenizer is None:
+        raise ValueError("tokenizer: required with model")
+    rollout = make_rollout_engine(cfg, copy.deepcopy(model), tokenizer, device=cfg.train.device)
+    return rollout, make_train_engine(cfg, model, device=cfg.train.device), tokenizer
 
 
 def build_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
@@ -146,18 +218,222 @@ def _call(entry: Any, available: dict[str, Any], kwargs: dict[str, Any]) -> Any:
     return entry.fn(**args, **kwargs)
 
 
+# --------------------------------------------------------------------------- the PPO update
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """What :func:`ppo_update` needs from the config (picklable: it travels to Ray train actors)."""
+
+    policy_loss: str = "ppo"
+    policy_loss_kwargs: dict = field(default_factory=dict)
+    aggregation: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_loss: bool = False  # algorithm.kl.mode == "loss" (and coef > 0)
+    temperature: float = 1.0  # the rollout's: log-probs must be of the same distribution
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # 0: the whole batch
+    micro_batch_size: int = 8
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> UpdateSpec:
+        a, t = cfg.algorithm, cfg.train
+        return cls(
+            policy_loss=a.policy_loss,
+            policy_loss_kwargs=dict(a.policy_loss_kwargs),
+            aggregation=a.aggregation,
+            entropy_coef=a.entropy_coef,
+            kl_coef=a.kl.coef,
+            kl_estimator=a.kl.estimator,
+            kl_in_loss=a.kl.coef > 0 and a.kl.mode == "loss",
+            temperature=cfg.rollout.temperature,
+            ppo_epochs=t.ppo_epochs,
+            mini_batch_size=t.mini_batch_size,
+            micro_batch_size=t.micro_batch_size,
+        )
+
+
+@dataclass
+class UpdateStats:
+    """Metric sums and counts of an update; ranks' stats add up (:meth:`merge`) before the
+    means (:meth:`metrics`): token-weighted for loss metrics and entropy, per optimizer step
+    for ``optim/*`` (reported by rank 0 only: every rank sees the same all-reduced norm)."""
+
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, key: str, value: float, weight: float = 1.0) -> None:
+        self.sums[key] += value
+        self.counts[key] += weight
+
+    def merge(self, other: UpdateStats) -> UpdateStats:
+        for k, v in other.sums.items():
+            self.add(k, v, other.counts[k])
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        return {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+
+
+def ppo_update(
+    engine: TrainEngine,
+    batch: PackedBatch,
+    advantages: torch.Tensor,  # [B, T], 0 outside the response
+    spec: UpdateSpec,
+    *,
+    ref_logprobs: torch.Tensor | None = None,  # [B, T]; used when spec.kl_in_loss
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> UpdateStats:
+    """``ppo_epochs`` x mini-batches x micro-batches of policy loss on ``engine``: the train step
+    of :class:`SyncTrainer`, in this process or on each data-parallel rank of a Ray train group.
+
+    Every rank gets the same ``batch`` and ``seed`` (so the same mini-batch order) and takes
+    its contiguous share ``rows_m.tensor_split(world_size)[rank]`` of each mini-batch
+    ``rows_m``. The loss of a micro-batch is
+
+        L_mb = aggregate(policy_loss, mask_mb, aggregation, num_tokens=N, num_seqs=S, dp_size=W)
+               (+ the entropy and KL terms, aggregated the same way)
+
+    where ``N``, ``S`` are the valid tokens / sequences of the *whole* mini-batch over all
+    ranks (:func:`rollkit.losses.global_normalizers`, all-reduced when torch.distributed is
+    initialised) and ``W`` the world size. The engine averages the ranks' gradients (DDP /
+    DeepSpeed), and ``W`` cancels that average, so the ``engine.step()`` that ends each
+    mini-batch applies exactly the gradient of the whole mini-batch's loss, whatever the
+    number of ranks and micro-batches (up to float rounding; tested 1 vs 2 ranks).
+
+    Collectives must match across ranks: each rank runs ``ceil(ceil(|rows_m| / W) / mbs)``
+    micro-batches, padding with a masked-out row (zero loss, zero gradient) when its share is
+    shorter, then one ``step``. Returns the rank's :class:`UpdateStats`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    loss_entry = POLICY_LOSSES.entry(spec.policy_loss)
+    mask = batch.response_mask
+    B, mbs = mask.shape[0], spec.micro_batch_size
+    mini = spec.mini_batch_size or B
+    gen = torch.Generator().manual_seed(seed)
+    stats = UpdateStats()
+    for _ in range(spec.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if spec.ppo_epochs > 1 or mini < B else torch.arange(B)
+        for m0 in range(0, B, mini):
+            rows_m = order[m0 : m0 + mini]
+            local = rows_m.tensor_split(world_size)[rank]
+            norms = global_normalizers(mask[local])
+            n_micro = math.ceil(math.ceil(len(rows_m) / world_size) / mbs)
+            for u in range(n_micro):
+                rows = local[u * mbs : (u + 1) * mbs]
+                pad = len(rows) == 0  # this rank's share ran out: a masked row keeps collectives aligned
+                mb = batch[rows_m[:1] if pad else rows]
+                if pad:
+                    mb.response_mask = torch.zeros_like(mb.response_mask)
+                lp, ent = engine.logprobs(
+                    mb.input_ids,
+                    mb.attention_mask,
+                    mb.response_mask,
+                    temperature=spec.temperature,
+                    with_entropy=True,
+                )
+                avail = {
+                    "logprobs": lp,
+                    "old_logprobs": mb.old_logprobs,
+                    "behavior_logprobs": mb.old_logprobs,
+                    "advantages": advantages[rows_m[:1] if pad else rows],
+                    "response_mask": mb.response_mask,
+                }
+                out = _call(loss_entry, avail, spec.policy_loss_kwargs)
+                loss = aggregate(out.loss, mb.response_mask, spec.aggregation, **norms)
+                if spec.entropy_coef:
+                    e = REGULARIZERS.get("entropy")(ent, mb.response_mask, coef=spec.entropy_coef)
+                    loss = loss + aggregate(e.loss, mb.response_mask, spec.aggregation, **norms)
+                if ref_logprobs is not None and spec.kl_in_loss:
+                    kl = REGULARIZERS.get("kl")(
+                        lp,
+                        ref_logprobs[rows_m[:1] if pad else rows],
+                        mb.response_mask,
+                        estimator=spec.kl_estimator,
+                        coef=spec.kl_coef,
+                    )
+                    loss = loss + aggregate(kl.loss, mb.response_mask, spec.aggregation, **norms)
+                engine.backward(loss)
+                if pad:
+                    continue
+                w = int(mb.response_mask.sum())
+                for k, v in out.metrics.items():
+                    stats.add(f"loss/{k}", float(v) * w, w)
+                stats.add("entropy", float(ent.detach()[mb.response_mask].sum()), w)
+            for k, v in engine.step().items():
+                if rank == 0:
+                    stats.add(f"optim/{k}", v)
+    return stats
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """The train role as :class:`SyncTrainer` sees it."""
+
+    def update(
+        self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
+    ) -> dict[str, float]: ...
+
+    def export_weights(self) -> Any: ...
+
+
+class LocalLearner:
+    """The train role in this process: :func:`ppo_update` on one :class:`TrainEngine`."""
+
+    def __init__(self, engine: TrainEngine, spec: UpdateSpec) -> None:
+        self.engine, self.spec = engine, spec
+
+    def update(
+        self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
+    ) -> dict[str, float]:
+        return ppo_update(
+            self.engine, batch, advantages, self.spec, ref_logprobs=ref_logprobs, seed=seed
+        ).metrics()
+
+    def export_weights(self) -> Any:
+        return self.engine.export_weights()
+
+
+@dataclass(frozen=True)
+class _AnswerReward:
+    """A ``(text, answer)`` reward function as a ``(text, prompt)`` verifier (picklable if it is)."""
+
+    fn: RewardFn
+
+    def __call__(self, completion: str, prompt: Prompt) -> float:
+        return self.fn(completion, prompt.answer)
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
 class SyncTrainer:
     """Synchronous RLVR: ``fit()`` = evaluate, ``steps`` x :meth:`step`, evaluate, plot.
 
     Args:
         cfg: the configuration.
-        rollout, train, tokenizer: engines and tokenizer (default: :func:`build_engines`).
-            ``rollout`` must start with the same weights as ``train``.
+        rollout, train, tokenizer: the rollout role (a RolloutEngine) and the train role (a
+            TrainEngine, or a :class:`Learner` such as a Ray train group) and the tokenizer.
+            ``rollout`` must start with the same weights as ``train``. Default: built from
+            ``cfg`` (``ray.enabled``: Ray actors placed by ``cfg.placement``, see
+            :func:`trainers.ray.build_ray_roles`; else :func:`build_engines`).
+        model: the initial policy (a transformers causal LM, with ``tokenizer``) for the
+            default roles instead of ``cfg.model``, e.g. a warmed-up model.
         train_prompts, eval_prompts: default :func:`build_prompts`.
-        reward_fn: ``(completion_text, answer) -> float`` (default exact match on numbers).
-        reference: anything with the TrainEngine ``logprobs`` method, holding the frozen
-            initial policy (used when ``algorithm.kl.coef > 0``); default: a frozen deep copy
-            of ``train.model`` (the embedded TorchTrainEngine).
+        reward_fn: ``(completion_text, answer) -> float``; default: the verifier
+            ``cfg.reward.verifier``. Either runs in a :class:`~trainers.rewards.RewardPool`
+            (``cfg.reward.backend``; inline, the attribute ``reward_fn`` is read per sample).
+        reference: anything with the TrainEngine ``logprobs`` method (or ``batch_logprobs``),
+            holding the frozen initial policy (used when ``algorithm.kl.coef > 0``); default:
+            a frozen deep copy of ``train.model`` (in process) or a Ray reference actor.
+
+    :meth:`close` (or ``with SyncTrainer(...) as tr``) stops the reward workers and the Ray
+    actors the trainer started.
     """
 
     def __init__(
@@ -165,32 +441,63 @@ class SyncTrainer:
         cfg: Config,
         *,
         rollout: RolloutEngine | None = None,
-        train: TrainEngine | None = None,
+        train: TrainEngine | Learner | None = None,
         tokenizer: Any = None,
+        model: Any = None,
         train_prompts: list[Prompt] | None = None,
         eval_prompts: list[Prompt] | None = None,
-        reward_fn: RewardFn = exact_match_reward,
+        reward_fn: RewardFn | None = None,
         reference: Any = None,
     ) -> None:
+        from trainers.rewards import RewardPool, get_verifier
+
         self.cfg = cfg
         self._validate()
+        a = cfg.algorithm
+        self._owned: list[Any] = []  # roles this trainer started: close() stops them
         if rollout is None or train is None:
-            rollout, train, tokenizer = build_engines(cfg)
+            if cfg.ray.enabled:
+                from trainers.ray import build_ray_roles
+
+                roles = build_ray_roles(cfg, model=model, tokenizer=tokenizer, reference=a.kl.coef > 0)
+                self._owned.append(roles)
+                rollout, train, tokenizer = roles.rollout, roles.train, roles.tokenizer
+                reference = roles.reference if reference is None else reference
+            else:
+                rollout, train, tokenizer = build_engines(cfg, model=model, tokenizer=tokenizer)
         if tokenizer is None:
             raise ValueError("tokenizer: required when the engines are passed in")
         self.rollout, self.train, self.tok = rollout, train, tokenizer
+        self.learner = (
+            train if isinstance(train, Learner) else LocalLearner(train, UpdateSpec.from_config(cfg))
+        )
+        self.offload = cfg.ray.enabled and cfg.placement.mode == "colocated" and cfg.placement.offload
         if train_prompts is None or eval_prompts is None:
             tp, ep = build_prompts(cfg)
             train_prompts = tp if train_prompts is None else train_prompts
             eval_prompts = ep if eval_prompts is None else eval_prompts
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
         self.reward_fn = reward_fn
+        self.verifier = get_verifier(cfg.reward.verifier)
+        r = cfg.reward
+        scorer = (
+            self._score
+            if r.backend == "inline"
+            else self.verifier
+            if reward_fn is None
+            else _AnswerReward(reward_fn)
+        )
+        self.rewards = RewardPool(
+            scorer,
+            backend=r.backend,
+            num_workers=r.num_workers,
+            timeout_s=r.timeout_s,
+            ray_num_cpus=r.cpus_per_worker,
+        )
         self.iterator = PromptIterator(train_prompts, seed=cfg.seed)
         self._ids: dict[int, list[int]] = {}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        a = cfg.algorithm
         self.adv_entry = ADVANTAGE_ESTIMATORS.entry(a.advantage)
-        self.loss_entry = POLICY_LOSSES.entry(a.policy_loss)
         self.normalizer = RunningRewardNormalizer() if a.reward_normalizer else None
         # Reference policy: a frozen copy of the initial policy, behind the same logprobs().
         self.reference = reference if a.kl.coef > 0 else None
@@ -206,14 +513,23 @@ class SyncTrainer:
         for name, v in (
             ("rollout.prompts_per_step", c.rollout.prompts_per_step),
             ("rollout.n", c.rollout.n),
+            ("rollout.prompts_per_request", c.rollout.prompts_per_request),
             ("train.micro_batch_size", c.train.micro_batch_size),
             ("train.ppo_epochs", c.train.ppo_epochs),
             ("filter.max_rounds", c.filter.max_rounds),
         ):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if c.algorithm.kl.mode not in ("loss", "reward"):
-            raise ValueError(f"algorithm.kl.mode must be loss or reward, got {c.algorithm.kl.mode!r}")
+        for name, value, known in (
+            ("algorithm.kl.mode", c.algorithm.kl.mode, ("loss", "reward")),
+            ("rollout.engine", c.rollout.engine, ROLLOUT_ENGINES),
+            ("train.engine", c.train.engine, TRAIN_ENGINES),
+            ("reward.backend", c.reward.backend, ("inline", "process", "ray")),
+            ("placement.mode", c.placement.mode, ("colocated", "disaggregated")),
+            ("placement.reference", c.placement.reference, ("train", "separate")),
+        ):
+            if value not in known:
+                raise ValueError(f"{name} must be one of {', '.join(known)}, got {value!r}")
         for name, reg, value in (
             ("algorithm.advantage", ADVANTAGE_ESTIMATORS, c.algorithm.advantage),
             ("algorithm.policy_loss", POLICY_LOSSES, c.algorithm.policy_loss),
@@ -234,6 +550,12 @@ class SyncTrainer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def _score(self, completion: str, prompt: Prompt) -> float:
+        """The inline verifier: ``reward_fn(text, answer)`` if set, else ``cfg.reward.verifier``."""
+        if self.reward_fn is not None:
+            return self.reward_fn(completion, prompt.answer)
+        return self.verifier(completion, prompt)
+
     def _sampling(self, round_: int) -> SamplingParams:
         r = self.cfg.rollout
         seed = (self.cfg.seed * 1_000_003 + self.global_step * 1009 + round_) % (2**31)
@@ -241,17 +563,37 @@ class SyncTrainer:
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, seed=seed
         )
 
-    def _ref_logprobs(self, batch: Any) -> torch.Tensor:
+    def _generate_and_score(
+        self, prompts: list[Prompt], params: SamplingParams, timer: _Timer | None = None
+    ) -> tuple[list[Any], list[float]]:
+        """Stream the generations and submit each to the reward pool as it finishes; gather.
+        Returns ``(generations, rewards)`` grouped by prompt (``gens[i * n + j]``: prompt ``i``)."""
+        timer = timer or _Timer()
+        gens: list[Any] = []
+        t0, t_submit = time.perf_counter(), 0.0
+        for g in iter_generations(self.rollout, [self.encode(p) for p in prompts], params):
+            t1 = time.perf_counter()
+            self.rewards.submit(len(gens), self.decode(g.token_ids), prompts[g.prompt_index])
+            t_submit += time.perf_counter() - t1
+            gens.append(g)
+        timer.t["rollout"] += time.perf_counter() - t0 - t_submit
+        timer.t["reward"] += t_submit
+        with timer("reward"):
+            scores = self.rewards.gather()
+        order = sorted(range(len(gens)), key=lambda k: gens[k].prompt_index)  # stable
+        return [gens[k] for k in order], [scores[k] for k in order]
+
+    def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        mbs, temp = self.cfg.train.micro_batch_size, self.cfg.rollout.temperature
+        if hasattr(self.reference, "batch_logprobs"):  # a Ray reference actor
+            return self.reference.batch_logprobs(batch, temperature=temp, micro_batch_size=mbs)
         out = []
         with torch.no_grad():
-            for i in range(0, batch.input_ids.shape[0], self.cfg.train.micro_batch_size):
-                mb = batch[i : i + self.cfg.train.micro_batch_size]
+            for i in range(0, batch.input_ids.shape[0], mbs):
+                mb = batch[i : i + mbs]
                 out.append(
                     self.reference.logprobs(
-                        mb.input_ids,
-                        mb.attention_mask,
-                        mb.response_mask,
-                        temperature=self.cfg.rollout.temperature,
+                        mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temp
                     )
                 )
         return torch.cat(out)
@@ -264,29 +606,23 @@ class SyncTrainer:
         P, n = cfg.rollout.prompts_per_step, cfg.rollout.n
         t_start = time.perf_counter()
 
-        # 1-3. Generate n samples per prompt and reward them; dynamic sampling refills dropped groups.
+        # 1-3. Generate n samples per prompt, each scored as it finishes; dynamic sampling refills.
         groups: list[tuple[Prompt, list[Any], list[float]]] = []
-        all_rewards, all_lens, gen_tokens, rounds = [], [], 0, 0
+        all_rewards, all_lens, rounds = [], [], 0
         acc_by_source: dict[str, list[float]] = defaultdict(list)
         max_rounds = cfg.filter.max_rounds if cfg.filter.zero_variance else 1
         while len(groups) < P and rounds < max_rounds:
             prompts = self.iterator.next_batch(P - len(groups))
-            with timer("rollout"):
-                gens = self.rollout.generate([self.encode(p) for p in prompts], self._sampling(rounds))
+            gens, rewards = self._generate_and_score(prompts, self._sampling(rounds), timer)
             rounds += 1
-            with timer("reward"):  # sample by sample, as each generation comes back
-                rewards = [
-                    self.reward_fn(self.decode(g.token_ids), prompts[g.prompt_index].answer) for g in gens
-                ]
             for g, r in zip(gens, rewards):
                 acc_by_source[prompts[g.prompt_index].data_source].append(r)
             all_rewards += rewards
             all_lens += [len(g.token_ids) for g in gens]
-            gen_tokens += sum(len(g.token_ids) for g in gens)
-            r_t = torch.tensor(rewards, dtype=torch.float32)
             keep = torch.ones(len(gens), dtype=torch.bool)
             if cfg.filter.zero_variance:
                 gid = torch.arange(len(prompts)).repeat_interleave(n)
+                r_t = torch.tensor(rewards, dtype=torch.float32)
                 keep = _call(FILTERS.entry("zero_variance"), {"rewards": r_t, "group_ids": gid}, {})
             for i, p in enumerate(prompts):
                 if bool(keep[i * n]):
@@ -303,8 +639,7 @@ class SyncTrainer:
 
         if groups:
             # 4. Pack; the rollout's log-probs are the old (behaviour) log-probs.
-            gens = [g for _, gs, _ in groups for g in gs]
-            batch = pack_generations(gens, self.pad_id)
+            batch = pack_generations([g for _, gs, _ in groups for g in gs], self.pad_id)
             mask = batch.response_mask
             group_ids = torch.arange(len(groups)).repeat_interleave(n)
             rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
@@ -335,74 +670,25 @@ class SyncTrainer:
             adv = (adv[:, None] if adv.dim() == 1 else adv) * mask
             metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
 
-            # 7. PPO epochs of micro-batched updates, global normalisers per mini-batch.
-            B, mbs = mask.shape[0], cfg.train.micro_batch_size
-            mini = cfg.train.mini_batch_size or B
-            gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.global_step)
-            sums: dict[str, float] = defaultdict(float)
-            counts: dict[str, int] = defaultdict(int)
+            # 7. The PPO update (ppo_update, on every train rank); a colocated rollout sleeps meanwhile.
+            if self.offload:
+                with timer("offload"):
+                    self.rollout.sleep(cfg.placement.sleep_level)
             with timer("train"):
-                for _ in range(cfg.train.ppo_epochs):
-                    order = (
-                        torch.randperm(B, generator=gen)
-                        if cfg.train.ppo_epochs > 1 or mini < B
-                        else torch.arange(B)
-                    )
-                    for m0 in range(0, B, mini):
-                        rows_m = order[m0 : m0 + mini]
-                        norms = global_normalizers(mask[rows_m])
-                        for u0 in range(0, len(rows_m), mbs):
-                            rows = rows_m[u0 : u0 + mbs]
-                            mb = batch[rows]
-                            lp, ent = self.train.logprobs(
-                                mb.input_ids,
-                                mb.attention_mask,
-                                mb.response_mask,
-                                temperature=cfg.rollout.temperature,
-                                with_entropy=True,
-                            )
-                            avail = {
-                                "logprobs": lp,
-                                "old_logprobs": mb.old_logprobs,
-                                "behavior_logprobs": mb.old_logprobs,
-                                "advantages": adv[rows],
-                                "response_mask": mb.response_mask,
-                            }
-                            out = _call(self.loss_entry, avail, a.policy_loss_kwargs)
-                            loss = aggregate(out.loss, mb.response_mask, a.aggregation, **norms)
-                            if a.entropy_coef:
-                                e = REGULARIZERS.get("entropy")(ent, mb.response_mask, coef=a.entropy_coef)
-                                loss = loss + aggregate(e.loss, mb.response_mask, a.aggregation, **norms)
-                            if ref_lp is not None and a.kl.mode == "loss":
-                                kl = REGULARIZERS.get("kl")(
-                                    lp,
-                                    ref_lp[rows],
-                                    mb.response_mask,
-                                    estimator=a.kl.estimator,
-                                    coef=a.kl.coef,
-                                )
-                                loss = loss + aggregate(kl.loss, mb.response_mask, a.aggregation, **norms)
-                            self.train.backward(loss)
-                            w = int(mb.response_mask.sum())
-                            for k, v in out.metrics.items():
-                                sums[f"loss/{k}"] += float(v) * w
-                                counts[f"loss/{k}"] += w
-                            sums["entropy"] += float(ent.detach()[mb.response_mask].sum())
-                            counts["entropy"] += w
-                        for k, v in self.train.step().items():
-                            sums[f"optim/{k}"] += v
-                            counts[f"optim/{k}"] += 1
-            metrics.update({k: sums[k] / max(counts[k], 1) for k in sums})
+                metrics.update(
+                    self.learner.update(batch, adv, ref_lp, seed=cfg.seed * 7919 + self.global_step)
+                )
 
-            # 8. Push the new weights to the rollout engine.
+            # 8. Wake the rollout and push the new weights to it.
             with timer("weight_sync"):
-                self.rollout.update_weights(self.train.export_weights(), version=self.global_step + 1)
+                if self.offload:
+                    self.rollout.wake()
+                self.rollout.update_weights(self.learner.export_weights(), version=self.global_step + 1)
 
         self.global_step += 1
-        total = time.perf_counter() - t_start
         metrics.update({f"time/{k}": v for k, v in timer.t.items()})
-        metrics["time/step"] = total
-        metrics["throughput/rollout_tokens_per_s"] = gen_tokens / max(timer.t["rollout"], 1e-9)
+        metrics["time/step"] = time.perf_counter() - t_start
+        metrics["throughput/rollout_tokens_per_s"] = sum(all_lens) / max(timer.t["rollout"], 1e-9)
         return metrics
 
     # ------------------------------------------------------------------ evaluation
@@ -414,10 +700,12 @@ class SyncTrainer:
             return {}
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.eval.max_tokens, seed=0)
         gens = self.rollout.generate([self.encode(p) for p in prompts], params)
+        for k, g in enumerate(gens):
+            self.rewards.submit(k, self.decode(g.token_ids), prompts[g.prompt_index])
+        rewards = self.rewards.gather()
         by: dict[str, list[float]] = defaultdict(list)
-        for g in gens:
-            p = prompts[g.prompt_index]
-            by[p.data_source].append(self.reward_fn(self.decode(g.token_ids), p.answer))
+        for k, g in enumerate(gens):
+            by[prompts[g.prompt_index].data_source].append(rewards[k])
         scores = [s for v in by.values() for s in v]
         out = {"eval/accuracy": sum(scores) / len(scores)}
         if len(by) > 1:
@@ -472,7 +760,22 @@ class SyncTrainer:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.global_step = int(state["global_step"])
-        self.rollout.update_weights(self.train.export_weights(), version=self.global_step)
+        self.rollout.update_weights(self.learner.export_weights(), version=self.global_step)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop the reward workers and the Ray actors / placement groups this trainer started
+        (engines passed in are the caller's). Idempotent."""
+        self.rewards.close()
+        while self._owned:
+            self._owned.pop().close()
+
+    def __enter__(self) -> SyncTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ fit
 

@@ -91,3 +91,61 @@ def test_help_lists_every_field(capsys):
     with pytest.raises(SystemExit):
         load_config(["--help"])
     assert "algorithm.advantage" in capsys.readouterr().out
+
+
+def test_ray_placement_and_reward_fields():
+    cfg = load_config([])
+    assert cfg.ray.enabled is False and cfg.ray.address == "" and cfg.placement.mode == "colocated"
+    assert cfg.reward.verifier == "exact_match" and cfg.reward.backend == "inline"
+    assert cfg.train.engine == "torch" and cfg.train.zero_stage == 2
+    cfg = load_config(["--ray"])
+    assert cfg.ray.enabled is True and cfg.ray.address == ""
+    cfg = load_config(["--ray-address", "auto"])  # implies ray.enabled
+    assert cfg.ray.enabled is True and cfg.ray.address == "auto"
+    cfg = load_config(["--ray-address=10.0.0.1:6379", "--rollout", "vllm", "--train", "deepspeed"])
+    assert cfg.ray.address == "10.0.0.1:6379" and (cfg.rollout.engine, cfg.train.engine) == (
+        "vllm",
+        "deepspeed",
+    )
+    cfg = load_config(
+        [
+            "ray.enabled=true",
+            "placement.mode=disaggregated",
+            "placement.train_workers=2",
+            "placement.cpus_per_worker=0.5",
+            "placement.gpus_per_worker=1",
+            "placement.rollout_resources={rollout_node: 0.1}",
+            "reward.verifier=math_verify",
+            "reward.backend=ray",
+            "reward.num_workers=4",
+            "reward.timeout_s=5",
+            "train.zero_stage=3",
+        ]
+    )
+    assert cfg.placement.train_workers == 2 and cfg.placement.cpus_per_worker == 0.5
+    assert cfg.placement.gpus_per_worker == 1.0 and cfg.placement.rollout_resources == {"rollout_node": 0.1}
+    assert (cfg.reward.verifier, cfg.reward.backend, cfg.reward.num_workers, cfg.reward.timeout_s) == (
+        "math_verify",
+        "ray",
+        4,
+        5.0,
+    )
+    with pytest.raises(ValueError, match=r"placement\.train_workers: expected int"):
+        load_config(["placement.train_workers=two"])
+    with pytest.raises(ValueError, match=r"ray\.enabled: expected bool"):
+        load_config(["ray.enabled=maybe"])
+    with pytest.raises(ValueError, match="missing value"):
+        load_config(["--ray-address"])
+
+
+def test_help_lists_ray_fields(capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--help"])
+    out = capsys.readouterr().out
+    for line in (
+        "--ray-address = ray.address",
+        "--ray = ray.enabled=true",
+        "placement.mode",
+        "reward.backend",
+    ):
+        assert line in out

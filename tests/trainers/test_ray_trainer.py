@@ -1,0 +1,247 @@
+"""The sync trainer on Ray: placement, data-parallel train ranks, weight sync, learning end to end.
+
+One Ray instance for the module: a 2-node ``ray.cluster_utils.Cluster`` on this machine (a head
+node with the custom resource ``rollout_node`` and a second node with ``train_node``, 2 logical
+CPUs each, 100 MB object stores, no dashboard), torn down at the end of the module. Real actors,
+real engines, the tiny Qwen2 (head size 32: 2 heads of 64, as vLLM's CPU attention requires).
+
+Learning task: 1-digit addition (70 train / 30 held-out pairs), as in test_sync_trainer.py: a
+supervised warm-up in this process gives the tiny model a starting accuracy, RL on Ray must
+raise it (margins measured, stated at the assertions).
+"""
+
+import copy
+import math
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest.importorskip("transformers")
+pytest.importorskip("ray")
+
+import ray
+import torch
+
+from trainers.config import load_config
+from trainers.engines import SamplingParams, TorchTrainEngine, pack_generations
+from trainers.models import char_tokenizer, tiny_qwen2
+from trainers.ray import plan_bundles
+from trainers.sync_trainer import LocalLearner, SyncTrainer, UpdateSpec, supervised_warmup
+
+BASE = [
+    "--model",
+    "tiny",
+    "data.digits=1",
+    "data.eval_size=30",
+    "eval.before=false",
+    "eval.every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "logging.plot=false",
+    "ray.enabled=true",
+]
+# RL on the warmed-up model (the settings of test_sync_trainer.test_rl_raises_held_out_accuracy).
+RL = [
+    "train.lr=5e-4",
+    "train.steps=25",
+    "rollout.prompts_per_step=8",
+    "rollout.n=8",
+    "rollout.temperature=1.0",
+    "rollout.max_tokens=4",
+    "eval.max_tokens=4",
+    "train.micro_batch_size=64",
+    "eval.before=true",
+    "rollout.prompts_per_request=4",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes on this machine; the module's only Ray session."""
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 2, "object_store_memory": 100 * 2**20, "include_dashboard": False}
+    c = Cluster(initialize_head=True, head_node_args={**node, "resources": {"rollout_node": 1}})
+    c.add_node(**node, resources={"train_node": 1})
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+def _warm(tok, heads, kv_heads, steps):
+    """The tiny model after ``steps`` supervised steps on the train split (in this process)."""
+    from trainers.sync_trainer import build_prompts
+
+    torch.set_num_threads(1)
+    model = tiny_qwen2(tok, seed=0, heads=heads, kv_heads=kv_heads)
+    train_prompts, _ = build_prompts(load_config(["--model", "tiny", "data.digits=1", "data.eval_size=30"]))
+    supervised_warmup(
+        TorchTrainEngine(model, lr=3e-3), tok, train_prompts, steps=steps, batch_size=64, seed=0
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def warm_model(tok):
+    """Head size 16 (4 heads of 64), 100 warm-up steps: the model of test_sync_trainer.py."""
+    return _warm(tok, 4, 2, 100)
+
+
+@pytest.fixture(scope="module")
+def warm_model_32(tok):
+    """Head size 32 (2 heads of 64, as vLLM's CPU attention needs), 60 warm-up steps."""
+    return _warm(tok, 2, 1, 60)
+
+
+def _rollout_state(tr):
+    """The first rollout actor's model weights (HF engine), read inside the actor."""
+    actor = tr.rollout.actors[0]
+    return ray.get(actor.__ray_call__.remote(lambda self: dict(self.engine.model.named_parameters())))
+
+
+def _no_leaks(timeout_s=20.0):
+    import time
+
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        if ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_disaggregated_across_nodes_and_two_ranks_equal_one(cluster, tok, warm_model, tmp_path):
+    """Disaggregated placement pinned by node resources: the rollout on the head node, two train
+    ranks (gloo) and the separate reference on the other node; a step runs; and the 2-rank
+    update of a fixed batch gives the weights of the 1-rank update in this process."""
+    cfg = load_config(
+        [
+            *BASE,
+            f"logging.dir={tmp_path}",
+            "placement.mode=disaggregated",
+            "placement.train_workers=2",
+            "placement.cpus_per_worker=0.5",
+            "placement.reference=separate",
+            "placement.rollout_resources={rollout_node: 0.1}",
+            "placement.train_resources={train_node: 0.1}",
+            "algorithm.kl.coef=0.05",
+            "rollout.prompts_per_step=3",
+            "rollout.n=4",
+            "train.lr=1e-3",
+            "train.micro_batch_size=2",
+            "train.mini_batch_size=6",
+        ]
+    )
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+        head = ray.get_runtime_context().get_node_id()
+        train_nodes = tr.train.node_ids()
+        assert tr.rollout.node_ids() == [head]
+        assert len(set(train_nodes)) == 1 and train_nodes[0] != head
+        assert tr.reference.node_id() == train_nodes[0]
+
+        # 2 ranks vs 1 rank on the same batch (odd sizes: 7 rows, mini-batches 6 + 1, micro 2).
+        w0 = dict(tr.train.weights())
+        gens = tr.rollout.generate([tr.encode(p) for p in tr.train_prompts[:7]], SamplingParams(n=1, seed=3))
+        batch = pack_generations(gens, tok.pad_token_id)
+        adv = torch.linspace(-1, 1, 7)[:, None] * batch.response_mask
+        m2 = tr.train.update(batch, adv, None, seed=5)
+        local = copy.deepcopy(warm_model)
+        local.load_state_dict(w0, strict=False)
+        eng = TorchTrainEngine(local, lr=1e-3, grad_clip=cfg.train.grad_clip)
+        m1 = LocalLearner(eng, UpdateSpec.from_config(cfg)).update(batch, adv, None, seed=5)
+        w2 = dict(tr.train.weights())
+        w1 = dict(eng.export_weights())
+        assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-6
+        assert max(float((w1[k] - w0[k]).abs().max()) for k in w1) > 1e-4  # it did move
+        assert m2["optim/grad_norm"] == pytest.approx(m1["optim/grad_norm"], rel=1e-5)
+        assert m2["loss/clip_frac"] == pytest.approx(m1["loss/clip_frac"], abs=1e-6)
+
+        m = tr.step()
+        assert m["rollout/kept_groups"] == 3 and "kl/rollout" in m and "time/reference" in m
+        assert tr.rollout.policy_version == 1
+    assert _no_leaks()
+
+
+@pytest.mark.slow
+def test_learning_on_ray_hf_torch_colocated(cluster, tok, warm_model, tmp_path):
+    """hf + torch, colocated (rollout asleep while training), rewards scored by Ray actors as
+    each request finishes: held-out accuracy rises."""
+    cfg = load_config(
+        [*BASE, *RL, f"logging.dir={tmp_path}", "placement.cpus_per_worker=1", "reward.backend=ray",
+         "reward.num_workers=1"]
+    )  # fmt: skip
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+        assert tr.rollout.node_ids() == tr.train.node_ids()
+        out = tr.fit()
+        assert tr.rewards.metrics()["scored"] >= 25 * 64
+        state = _rollout_state(tr)
+        for name, w in tr.train.weights():
+            assert torch.equal(state[name], w), name
+    print("hf+torch on Ray:", out["accuracy_before"], "->", out["accuracy_after"])
+    assert out["accuracy_after"] >= out["accuracy_before"] + MARGIN_HF
+    assert _no_leaks()
+
+
+# Measured (fixed seeds, 2-core machine): hf + torch 0.233 -> 0.333 and vllm + deepspeed 0.233 -> 0.333
+# (3 of the 30 held-out prompts); the margin asks for 2, one prompt of headroom.
+MARGIN_HF = 2 / 30 - 1e-9
+MARGIN_VLLM = 2 / 30 - 1e-9
+
+
+@pytest.mark.slow
+def test_learning_on_ray_vllm_deepspeed(cluster, tok, warm_model_32, tmp_path):
+    """vLLM rollout + DeepSpeed ZeRO-2 train actors (skipped where either is missing)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("deepspeed")
+    cfg = load_config(
+        [*BASE, *RL, f"logging.dir={tmp_path}", "--rollout", "vllm", "--train", "deepspeed", "train.zero_stage=2",
+         "placement.cpus_per_worker=2", "rollout.max_model_len=64", "train.lr=3e-4", "model.tiny_heads=2",
+         "model.tiny_kv_heads=1"]
+    )  # fmt: skip
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model_32), tokenizer=tok) as tr:
+        out = tr.fit()
+        assert tr.rollout.policy_version == 25
+    print("vllm+deepspeed on Ray:", out["accuracy_before"], "->", out["accuracy_after"])
+    assert out["accuracy_after"] >= out["accuracy_before"] + MARGIN_VLLM
+    assert _no_leaks()
+
+
+def test_plan_bundles_is_checked():
+    """The pure plan (no Ray): shares, bundle order, errors."""
+    p = plan_bundles("disaggregated", rollout_workers=2, train_workers=1, cpus=2, gpus=1, reference="train")
+    assert p.strategy == "SPREAD" and len(p.bundles) == 3 and p.bundles[0] == {"CPU": 2.0, "GPU": 1.0}
+    assert [(a.role, a.bundle, a.num_cpus, a.num_gpus) for a in p.actors] == [
+        ("rollout", 0, 2.0, 1.0),
+        ("rollout", 1, 2.0, 1.0),
+        ("train", 2, 1.0, 0.5),
+        ("reference", 2, 1.0, 0.5),
+    ]
+    c = plan_bundles("colocated", rollout_workers=1, train_workers=2, cpus=3, gpus=0, reference="separate")
+    assert [(a.role, a.bundle, a.num_cpus) for a in c.actors] == [
+        ("train", 0, 1.0),
+        ("train", 1, 3.0),
+        ("rollout", 0, 1.0),
+        ("reference", 0, 1.0),
+    ]
+    assert math.isclose(sum(a.num_cpus for a in c.actors if a.bundle == 0), 3.0)
+    with pytest.raises(ValueError, match=r"placement\.mode"):
+        plan_bundles("mixed", rollout_workers=1, train_workers=1, cpus=1, gpus=0)
+    with pytest.raises(ValueError, match=r"placement\.train_workers"):
+        plan_bundles("colocated", rollout_workers=1, train_workers=0, cpus=1, gpus=0)
+    with pytest.raises(ValueError, match=r"placement\.strategy"):
+        plan_bundles("colocated", rollout_workers=1, train_workers=1, cpus=1, gpus=0, strategy="RANDOM")
+    with pytest.raises(ValueError, match="only for mode=disaggregated"):
+        plan_bundles(
+            "colocated", rollout_workers=1, train_workers=1, cpus=1, gpus=0, rollout_resources={"x": 1}
+        )

@@ -1,0 +1,480 @@
+"""The roles of :class:`~trainers.sync_trainer.SyncTrainer` as Ray actors, and the group proxies
+the trainer talks to.
+
+Actors (one process each, placed by :mod:`trainers.ray.placement`):
+
+* :class:`RolloutWorker`: one rollout engine (``rollout.engine``: :class:`~trainers.engines.
+  HFRolloutEngine` or :class:`~trainers.engines.vllm_rollout.VLLMRolloutEngine`, which loads
+  from a directory: the actor saves the model it receives to a local temporary directory,
+  so this works on any node).
+* :class:`TrainWorker`: data-parallel rank ``r`` of ``N``: the ranks form a torch.distributed
+  group (gloo on CPU, NCCL on GPUs; rendezvous at rank 0's node address and a free port) and
+  each runs a training engine (``train.engine``: ``torch`` or ``deepspeed`` with
+  ``train.zero_stage``) and :func:`~trainers.sync_trainer.ppo_update` on its share of every
+  mini-batch.
+* :class:`ReferenceWorker`: the frozen initial policy (log-probs for the KL term).
+
+Proxies (what the trainer holds; same interfaces as the in-process engines):
+
+* :class:`RayRolloutGroup`: ``generate_iter`` sends requests of ``rollout.prompts_per_request``
+  prompts, each to the least-loaded actor (fewest prompts in flight, at most two requests
+  per actor at once) and yields a request's samples as soon as ``ray.wait`` returns it;
+  ``update_weights`` puts the weights in the object store once (or takes the train group's
+  object reference as is) and every actor loads that one copy.
+* :class:`RayTrainGroup`: ``update`` puts the batch in the object store once, runs
+  ``ppo_update`` on every rank and adds up the ranks' metric sums; ``export_weights`` returns
+  the object reference of rank 0's weights (the other ranks take part in the collectives
+  that ZeRO-3 needs, and return nothing).
+* :class:`RayReference`: ``batch_logprobs``.
+
+Every actor sets ``torch.set_num_threads`` to its CPUs (at least 1; ``ray.torch_threads``
+overrides). :func:`build_ray_roles` starts Ray if needed (:func:`init_ray`), reserves the
+placement group, starts the actors and returns :class:`RayRoles`, whose ``close()`` kills
+them and frees the placement group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainers.config import Config
+from trainers.engines.base import Generation, PackedBatch, SamplingParams
+from trainers.ray.placement import Placement, plan_bundles
+
+__all__ = [
+    "RayReference",
+    "RayRoles",
+    "RayRolloutGroup",
+    "RayTrainGroup",
+    "ReferenceWorker",
+    "RolloutWorker",
+    "TrainWorker",
+    "build_ray_roles",
+    "init_ray",
+]
+
+#: requests in flight per rollout actor (one running, one queued behind it)
+MAX_INFLIGHT = 2
+
+
+def _ray() -> Any:
+    from trainers.deps import require
+
+    return require("ray")
+
+
+def init_ray(cfg: Config) -> None:
+    """``ray.init`` once: ``ray.address=""`` starts a local Ray (``ray.num_cpus``,
+    ``ray.object_store_mb``), ``"auto"`` / ``"host:port"`` connects to a running cluster.
+    Does nothing if Ray is already initialised (e.g. by a test fixture)."""
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, **kw)
+        return
+    if cfg.ray.num_cpus is not None:
+        kw["num_cpus"] = cfg.ray.num_cpus
+    if cfg.ray.object_store_mb:
+        kw["object_store_memory"] = cfg.ray.object_store_mb * 2**20
+    ray.init(**kw)
+
+
+def _setup_process(threads: int) -> None:
+    """Actor start-up: torch threads, and the environment the engines expect."""
+    torch.set_num_threads(max(1, threads))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one engine core, in the actor
+
+
+def _node_id() -> str:
+    return _ray().get_runtime_context().get_node_id()
+
+
+def _model(cfg: Config, model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """The shipped ``(model, tokenizer)``, or built from ``cfg.model`` on this node."""
+    if model is not None:
+        return model, tokenizer
+    from trainers.sync_trainer import build_model
+
+    return build_model(cfg)
+
+
+# --------------------------------------------------------------------------- actors
+
+
+class RolloutWorker:
+    """A Ray actor holding one rollout engine (``cfg.rollout.engine``)."""
+
+    def __init__(self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int) -> None:
+        _setup_process(threads)
+        from trainers.sync_trainer import make_rollout_engine
+
+        model, tokenizer = _model(cfg, model, tokenizer)
+        self.engine = make_rollout_engine(cfg, model, tokenizer, device=device)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
+        self.engine.update_weights(weights, version)
+        return version
+
+    def sleep(self, level: int) -> None:
+        self.engine.sleep(level)
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def node_id(self) -> str:
+        return _node_id()
+
+
+class TrainWorker:
+    """Data-parallel rank ``rank`` of ``world_size``: a training engine and :func:`ppo_update`."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, device: str, threads: int) -> None:
+        _setup_process(threads)
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.engine: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for the rendezvous (called on rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return _ray().util.get_node_ip_address(), port
+
+    def setup(self, model: Any, tokenizer: Any, master_addr: str, master_port: int) -> str:
+        """Join the process group (every rank at once) and build the engine; returns the node id."""
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+        )
+        if self.device == "cuda":
+            os.environ["LOCAL_RANK"] = "0"  # Ray makes the actor's GPU the only visible one
+        dist = torch.distributed
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if self.device == "cuda" else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        from trainers.sync_trainer import UpdateSpec, make_train_engine
+
+        model, _ = _model(self.cfg, model, tokenizer)
+        self.engine = make_train_engine(self.cfg, model, device=self.device)
+        self.spec = UpdateSpec.from_config(self.cfg)
+        return _node_id()
+
+    def update(self, payload: dict[str, Any], seed: int) -> tuple[dict[str, float], dict[str, float]]:
+        from trainers.sync_trainer import ppo_update
+
+        stats = ppo_update(
+            self.engine,
+            payload["batch"],
+            payload["advantages"],
+            self.spec,
+            ref_logprobs=payload["ref_logprobs"],
+            seed=seed,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        return dict(stats.sums), dict(stats.counts)
+
+    def export_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        weights = list(self.engine.export_weights())  # every rank: ZeRO-3 gathers collectively
+        return weights if self.rank == 0 else None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        state = self.engine.state_dict()
+        return state if self.rank == 0 else None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)
+
+    def node_id(self) -> str:
+        return _node_id()
+
+
+class ReferenceWorker:
+    """The frozen initial policy: log-probs without gradients."""
+
+    def __init__(self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int) -> None:
+        _setup_process(threads)
+        from trainers.engines import TorchTrainEngine
+
+        model, _ = _model(cfg, model, tokenizer)
+        from trainers.sync_trainer import _dtype
+
+        self.engine = TorchTrainEngine(model, dtype=_dtype(cfg.model.dtype), device=device)
+        self.engine.model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def batch_logprobs(self, batch: PackedBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
+        out = []
+        for i in range(0, batch.input_ids.shape[0], micro_batch_size):
+            mb = batch[i : i + micro_batch_size]
+            out.append(
+                self.engine.logprobs(
+                    mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temperature
+                )
+            )
+        return torch.cat(out)
+
+    def node_id(self) -> str:
+        return _node_id()
+
+
+# --------------------------------------------------------------------------- proxies
+
+
+class RayRolloutGroup:
+    """K rollout actors behind the RolloutEngine interface (module docstring)."""
+
+    def __init__(self, actors: list[Any], *, prompts_per_request: int = 1) -> None:
+        if not actors:
+            raise ValueError("actors: at least one rollout actor")
+        if prompts_per_request < 1:
+            raise ValueError(f"prompts_per_request must be >= 1, got {prompts_per_request}")
+        self.actors = actors
+        self.prompts_per_request = prompts_per_request
+        self.policy_version = 0
+
+    def _run(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, size: int
+    ) -> Iterator[Generation]:
+        """Requests of ``size`` prompts, each to the least-loaded actor; yield as they finish.
+
+        A request for prompts ``[s, s + size)`` samples with seed ``params.seed + 7919 * s``,
+        so the samples do not depend on which actor ran it (nor on K)."""
+        ray = _ray()
+        queue = deque((s, [list(p) for p in prompts[s : s + size]]) for s in range(0, len(prompts), size))
+        load = [0] * len(self.actors)  # prompts in flight per actor
+        pending: dict[Any, tuple[int, int, int]] = {}  # ref -> (actor, first prompt, prompts)
+
+        def dispatch() -> None:
+            while queue and min(load) < MAX_INFLIGHT * size:
+                a = load.index(min(load))
+                s, ps = queue.popleft()
+                p = (
+                    params
+                    if params.seed is None
+                    else dataclasses.replace(params, seed=(params.seed + 7919 * s) % 2**31)
+                )
+                pending[self.actors[a].generate.remote(ps, p)] = (a, s, len(ps))
+                load[a] += len(ps)
+
+        dispatch()
+        while pending:
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            a, s, k = pending.pop(ref)
+            load[a] -= k
+            dispatch()
+            for g in ray.get(ref):
+                yield dataclasses.replace(g, prompt_index=g.prompt_index + s)
+
+    def generate_iter(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[Generation]:
+        """Stream the samples, a request's worth at a time, in the order requests finish."""
+        yield from self._run(prompts, params, self.prompts_per_request)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """All samples grouped by prompt (``out[i * n + j]``); one request per actor."""
+        size = max(1, math.ceil(len(prompts) / len(self.actors)))
+        gens = list(self._run(prompts, params, size))
+        return sorted(gens, key=lambda g: g.prompt_index)  # stable: sample order within a prompt
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any, version: int) -> None:
+        """Every actor loads the weights from one object-store copy (an ObjectRef is used as is)."""
+        ray = _ray()
+        ref = named_tensors if isinstance(named_tensors, ray.ObjectRef) else ray.put(list(named_tensors))
+        ray.get([a.update_weights.remote(ref, version) for a in self.actors])
+        self.policy_version = int(version)
+
+    def sleep(self, level: int = 1) -> None:
+        _ray().get([a.sleep.remote(level) for a in self.actors])
+
+    def wake(self) -> None:
+        _ray().get([a.wake.remote() for a in self.actors])
+
+    def node_ids(self) -> list[str]:
+        return _ray().get([a.node_id.remote() for a in self.actors])
+
+
+class RayTrainGroup:
+    """N train ranks behind the :class:`~trainers.sync_trainer.Learner` interface."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def update(
+        self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
+    ) -> dict[str, float]:
+        from trainers.sync_trainer import UpdateStats
+
+        ray = _ray()
+        payload = ray.put({"batch": batch, "advantages": advantages, "ref_logprobs": ref_logprobs})
+        total = UpdateStats()
+        for sums, counts in ray.get([w.update.remote(payload, seed) for w in self.workers]):
+            part = UpdateStats()
+            part.sums.update(sums)
+            part.counts.update(counts)
+            total.merge(part)
+        return total.metrics()
+
+    def export_weights(self) -> Any:
+        """An ObjectRef to rank 0's ``[(name, tensor)]`` (pass it to ``RayRolloutGroup.update_weights``)."""
+        refs = [w.export_weights.remote() for w in self.workers]
+        _ray().get(refs[1:])
+        return refs[0]
+
+    def weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Rank 0's weights, fetched here."""
+        return _ray().get(self.export_weights())
+
+    def state_dict(self) -> dict[str, Any]:
+        return _ray().get([w.state_dict.remote() for w in self.workers])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ray = _ray()
+        ref = ray.put(state)
+        ray.get([w.load_state_dict.remote(ref) for w in self.workers])
+
+    def node_ids(self) -> list[str]:
+        return _ray().get([w.node_id.remote() for w in self.workers])
+
+
+class RayReference:
+    """The reference actor behind ``batch_logprobs``."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def batch_logprobs(
+        self, batch: PackedBatch, *, temperature: float, micro_batch_size: int
+    ) -> torch.Tensor:
+        return _ray().get(self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size))
+
+    def node_id(self) -> str:
+        return _ray().get(self.actor.node_id.remote())
+
+
+# --------------------------------------------------------------------------- assembly
+
+
+@dataclass
+class RayRoles:
+    """What :func:`build_ray_roles` started; :meth:`close` stops it."""
+
+    rollout: RayRolloutGroup
+    train: RayTrainGroup
+    reference: RayReference | None
+    tokenizer: Any
+    placement: Placement
+    actors: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        ray = _ray()
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None  # type: ignore[assignment]
+
+
+def _gpus(cfg: Config) -> float:
+    g = cfg.placement.gpus_per_worker
+    if g is not None:
+        return float(g)
+    return 1.0 if _ray().cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def _tokenizer(cfg: Config) -> Any:
+    if cfg.model.path == "tiny":
+        from trainers.models import char_tokenizer
+
+        return char_tokenizer()
+    from trainers.deps import require
+    from trainers.models import default_model_path
+
+    return require("transformers").AutoTokenizer.from_pretrained(str(cfg.model.path or default_model_path()))
+
+
+def build_ray_roles(
+    cfg: Config, *, model: Any = None, tokenizer: Any = None, reference: bool = False
+) -> RayRoles:
+    """Start the roles of ``cfg`` as Ray actors placed by ``cfg.placement``.
+
+    ``model`` (with ``tokenizer``): the initial policy, put once in the object store and
+    loaded by every actor; ``None``: every actor builds ``cfg.model`` itself (a checkpoint
+    path must then exist on every node). ``reference``: start a reference actor.
+    """
+    ray = _ray()
+    init_ray(cfg)
+    p = cfg.placement
+    plan = plan_bundles(
+        p.mode,
+        rollout_workers=p.rollout_workers,
+        train_workers=p.train_workers,
+        cpus=p.cpus_per_worker,
+        gpus=_gpus(cfg),
+        reference=p.reference if reference else None,
+        strategy=p.strategy,
+        rollout_resources=p.rollout_resources,
+        train_resources=p.train_resources,
+    )
+    if model is not None and tokenizer is None:
+        raise ValueError("tokenizer: required with model")
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(cfg)
+    placement = Placement(plan)
+    actors: list[Any] = []
+    try:
+        model_ref = ray.put(model) if model is not None else None
+
+        def start(cls: type, slot: Any, *args: Any) -> Any:
+            threads = cfg.ray.torch_threads or max(1, int(slot.num_cpus))
+            device = "cuda" if slot.num_gpus > 0 else "cpu"
+            actor = ray.remote(cls).options(**placement.options(slot)).remote(cfg, *args, device, threads)
+            actors.append(actor)
+            return actor
+
+        train_slots = plan.slots("train")
+        workers = [start(TrainWorker, s, s.index, len(train_slots)) for s in train_slots]
+        rollouts = [start(RolloutWorker, s, model_ref, tokenizer) for s in plan.slots("rollout")]
+        ref_actor = [start(ReferenceWorker, s, model_ref, tokenizer) for s in plan.slots("reference")]
+        addr, port = ray.get(workers[0].address.remote())
+        ray.get([w.setup.remote(model_ref, tokenizer, addr, port) for w in workers])
+        ray.get([a.node_id.remote() for a in rollouts + ref_actor])  # constructors done
+    except BaseException:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        placement.remove()
+        raise
+    return RayRoles(
+        rollout=RayRolloutGroup(rollouts, prompts_per_request=cfg.rollout.prompts_per_request),
+        train=RayTrainGroup(workers),
+        reference=RayReference(ref_actor[0]) if ref_actor else None,
+        tokenizer=tokenizer,
+        placement=placement,
+        actors=actors,
+    )
