@@ -40,6 +40,10 @@ def recipe_defaults() -> Config:
     cfg.train.steps = 20
     cfg.train.lr = 1e-5
     cfg.train.micro_batch_size = 16
+    # bfloat16 matmuls where they are fast (AMX CPUs, CUDA): rollout weights in bf16, training
+    # under autocast with float32 master weights. Elsewhere both stay float32.
+    cfg.rollout.dtype = "auto"
+    cfg.train.autocast = "auto"
     cfg.eval.every = 0
     cfg.eval.max_tokens = 12
     cfg.data.eval_size = 100

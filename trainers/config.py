@@ -91,6 +91,9 @@ class RolloutConfig:
     top_k: int = -1
     max_tokens: int = 12
     max_batch_size: int | None = None
+    # Rollout weights' dtype: "" = model.dtype; "float32" / "bfloat16" / "float16"; "auto" =
+    # bfloat16 where its matmuls are fast (CUDA with bf16, CPUs with AMX), else model.dtype.
+    dtype: str = ""
     prompts_per_request: int = 1  # Ray: prompts per request sent to the least-loaded rollout actor
     gpu_memory_utilization: float = 0.5  # vLLM on GPUs
     max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
@@ -114,6 +117,9 @@ class TrainConfig:
     mini_batch_size: int = 0
     micro_batch_size: int = 8
     device: str = "cpu"
+    # Mixed precision of the torch engine's forward/backward (fp32 master weights and optimizer):
+    # "off", "bfloat16", "float16", or "auto" (bfloat16 where it is fast, as rollout.dtype).
+    autocast: str = "off"
 
 
 @dataclass

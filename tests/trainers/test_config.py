@@ -149,3 +149,26 @@ def test_help_lists_ray_fields(capsys):
         "reward.backend",
     ):
         assert line in out
+
+
+def test_rollout_dtype_and_autocast_resolution():
+    import torch
+
+    from trainers.sync_trainer import fast_bf16, rollout_dtype, train_autocast
+
+    cfg = load_config([])
+    assert rollout_dtype(cfg, "cpu") == torch.float32 and train_autocast(cfg, "cpu") is None
+    fast = fast_bf16("cpu")
+    cfg = load_config(["rollout.dtype=auto", "train.autocast=auto"])
+    assert rollout_dtype(cfg, "cpu") == (torch.bfloat16 if fast else torch.float32)
+    assert train_autocast(cfg, "cpu") == (torch.bfloat16 if fast else None)
+    cfg = load_config(["rollout.dtype=bfloat16", "train.autocast=bfloat16"])
+    assert rollout_dtype(cfg, "cpu") == torch.bfloat16 and train_autocast(cfg, "cpu") == torch.bfloat16
+    # auto never turns autocast on for DeepSpeed; an explicit request is refused with the fix named
+    assert train_autocast(load_config(["train.autocast=auto", "--train", "deepspeed"]), "cpu") is None
+    with pytest.raises(ValueError, match="model.dtype=bfloat16"):
+        train_autocast(load_config(["train.autocast=bfloat16", "--train", "deepspeed"]), "cpu")
+    with pytest.raises(ValueError, match="rollout.dtype"):
+        rollout_dtype(load_config(["rollout.dtype=int8"]), "cpu")
+    with pytest.raises(ValueError, match="train.autocast"):
+        train_autocast(load_config(["train.autocast=yes"]), "cpu")
