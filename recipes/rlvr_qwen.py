@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from trainers.sync_trainer import SyncTrainer
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     t0 = time.perf_counter()
     trainer = SyncTrainer(cfg)
     load_s = time.perf_counter() - t0

@@ -166,9 +166,9 @@ def test_rollout_dtype_and_autocast_resolution():
     assert rollout_dtype(cfg, "cpu") == torch.bfloat16 and train_autocast(cfg, "cpu") == torch.bfloat16
     # auto never turns autocast on for DeepSpeed; an explicit request is refused with the fix named
     assert train_autocast(load_config(["train.autocast=auto", "--train", "deepspeed"]), "cpu") is None
-    with pytest.raises(ValueError, match="model.dtype=bfloat16"):
+    with pytest.raises(ValueError, match=r"model\.dtype=bfloat16"):
         train_autocast(load_config(["train.autocast=bfloat16", "--train", "deepspeed"]), "cpu")
-    with pytest.raises(ValueError, match="rollout.dtype"):
+    with pytest.raises(ValueError, match=r"rollout\.dtype"):
         rollout_dtype(load_config(["rollout.dtype=int8"]), "cpu")
-    with pytest.raises(ValueError, match="train.autocast"):
+    with pytest.raises(ValueError, match=r"train\.autocast"):
         train_autocast(load_config(["train.autocast=yes"]), "cpu")
