@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainers.engines.torch_train import response_logits, token_logprobs
+from trainers.engines.torch_train import response_logprobs
 
 __all__ = ["DeepSpeedTrainEngine", "build_ds_config", "import_deepspeed"]
 
@@ -336,28 +336,16 @@ class DeepSpeedTrainEngine:
         where ``response_mask`` is False; with ``with_entropy`` also the ``[B, T]`` entropy of
         the tempered distribution. Same definition as ``TorchTrainEngine.logprobs``; the
         forward runs through the DeepSpeed engine (ZeRO-3 gathers each layer's weights)."""
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        B, L = input_ids.shape
-        T = response_mask.shape[1]
-        if response_mask.shape[0] != B or T >= L:
-            raise ValueError(
-                f"response_mask {list(response_mask.shape)} does not fit input_ids {[B, L]} "
-                "(the response is the last T columns, after at least one prompt token)"
-            )
-        dev = self.device
-        input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
-        mask = response_mask.to(dev, dtype=torch.bool)
-        logits = response_logits(
-            self.engine, input_ids, attention_mask, T, share_prompts=self.share_prompts and not self._ckpt
-        )  # [B, T, V]
-        lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
-        if not with_entropy:
-            return lp
-        from rollkit.losses import entropy_from_logits
-
-        z = logits.float() / temperature if temperature != 1.0 else logits.float()
-        return lp, entropy_from_logits(z).masked_fill(~mask, 0.0)
+        return response_logprobs(
+            self.engine,
+            input_ids,
+            attention_mask,
+            response_mask,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            share_prompts=self.share_prompts and not self._ckpt,
+            device=self.device,
+        )
 
     def backward(self, loss: Tensor) -> None:
         """Accumulate ``d loss / d params`` for one micro-batch, unscaled (the caller's loss

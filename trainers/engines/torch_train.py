@@ -34,7 +34,7 @@ from torch import Tensor
 
 from trainers.engines.base import position_ids_from_mask
 
-__all__ = ["TorchTrainEngine", "response_logits", "token_logprobs"]
+__all__ = ["TorchTrainEngine", "response_logits", "response_logprobs", "token_logprobs"]
 
 
 def token_logprobs(
@@ -112,6 +112,49 @@ def response_logits(
         logits_to_keep=T + 1,
     )
     return out.logits[:, :-1]
+
+
+def response_logprobs(
+    model: Any,
+    input_ids: Tensor,  # [B, L]
+    attention_mask: Tensor,  # [B, L]
+    response_mask: Tensor,  # [B, T]
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    share_prompts: bool = True,
+    autocast: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The training engines' ``logprobs``: ``[B, T]`` float32 log-probs of the response tokens
+    (the last ``T`` columns of ``input_ids``), 0 where ``response_mask`` is False, and with
+    ``with_entropy`` the ``[B, T]`` entropy of the tempered distribution (with gradient).
+
+    ``logprobs[b, t] = log_softmax(logits[b, L - T - 1 + t] / temperature)[input_ids[b, L - T + t]]``;
+    the logits come from :func:`response_logits` on ``model`` (a module, or a DeepSpeed
+    engine), under ``torch.autocast(autocast)`` when ``autocast`` is a dtype.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    B, L = input_ids.shape
+    T = response_mask.shape[1]
+    if response_mask.shape[0] != B or T >= L:
+        raise ValueError(
+            f"response_mask {list(response_mask.shape)} does not fit input_ids {[B, L]} "
+            "(the response is the last T columns, after at least one prompt token)"
+        )
+    dev = torch.device(device)
+    input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
+    mask = response_mask.to(dev, dtype=torch.bool)
+    with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts)
+    lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
+    if not with_entropy:
+        return lp
+    from rollkit.losses import entropy_from_logits
+
+    z = logits.float() / temperature if temperature != 1.0 else logits.float()
+    return lp, entropy_from_logits(z).masked_fill(~mask, 0.0)
 
 
 class TorchTrainEngine:
@@ -220,32 +263,17 @@ class TorchTrainEngine:
         gradient; 0 outside the mask). ``temperature`` must be the rollout's to compare with
         its log-probs. Runs with gradients unless called under ``torch.no_grad()``.
         """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        B, L = input_ids.shape
-        T = response_mask.shape[1]
-        if response_mask.shape[0] != B or T >= L:
-            raise ValueError(
-                f"response_mask {list(response_mask.shape)} does not fit input_ids {[B, L]} "
-                "(the response is the last T columns, after at least one prompt token)"
-            )
-        dev = self.device
-        input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
-        mask = response_mask.to(dev, dtype=torch.bool)
-        with torch.autocast(
-            self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None
-        ):
-            logits = response_logits(
-                self.model, input_ids, attention_mask, T, share_prompts=self.share_prompts and not self._ckpt
-            )  # [B, T, V]: position L-T-1+t predicts token L-T+t
-        lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
-        if not with_entropy:
-            return lp
-        from rollkit.losses import entropy_from_logits
-
-        z = logits.float() / temperature if temperature != 1.0 else logits.float()
-        ent = entropy_from_logits(z).masked_fill(~mask, 0.0)
-        return lp, ent
+        return response_logprobs(
+            self.model,
+            input_ids,
+            attention_mask,
+            response_mask,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            share_prompts=self.share_prompts and not self._ckpt,
+            autocast=self.autocast,
+            device=self.device,
+        )
 
     def backward(self, loss: Tensor) -> None:
         """Accumulate ``d loss / d params`` (one micro-batch; the caller scales the loss)."""
