@@ -10,6 +10,9 @@ adapter, and a deadline-aware process runner.
   per-call deadline; :mod:`trainers.envs.chaos` has environments that fail on purpose.
 * :mod:`trainers.envs.trajectory`: text episodes to token turns for
   :func:`rollkit.trajectory.build_trajectory` (imports torch; not imported here).
+* :mod:`trainers.envs.rollout`: lock-step, environment-level asynchronous and redundant
+  multi-turn rollout with fault handling and per-turn staleness (imports torch; not imported
+  here); :mod:`trainers.envs.wrappers`: state ids in ``info``, simulated latency and failures.
 
 Importing this package loads no torch and no GEM: worker processes start fast.
 """

@@ -8,6 +8,9 @@ number) that fails in one way at a chosen step -- the failure modes a rollout mu
 * :class:`DyingEnv`: *fail-stop* -- the process dies: ``os._exit`` (``how="exit"``) or
   ``SIGKILL`` to itself (``how="kill"``, what the kernel's out-of-memory killer does).
 * :class:`UnpicklableEnv`: returns a result that cannot cross a process boundary.
+* :class:`FaultOnceEnv`: a healthy counter, except that chosen tasks fail in a chosen way the
+  *first* time they reach a chosen step (recorded with a marker file), so the replacement
+  episode of the same task succeeds -- for rollout drivers that drop and replace.
 
 ``fail_at`` is the 1-based step that fails (``0``: ``reset`` fails). Never run these in the
 caller's process except to test that they misbehave: the runner isolates them.
@@ -24,7 +27,7 @@ from typing import Any
 
 from trainers.envs.base import Env, StepResult, check_action, check_seed
 
-__all__ = ["CounterEnv", "DyingEnv", "HangingEnv", "RaisingEnv", "UnpicklableEnv"]
+__all__ = ["CounterEnv", "DyingEnv", "FaultOnceEnv", "HangingEnv", "RaisingEnv", "UnpicklableEnv"]
 
 
 class CounterEnv(Env):
@@ -116,3 +119,42 @@ class UnpicklableEnv(CounterEnv):
         if self.t == self.fail_at:
             info["lock"] = threading.Lock()
         return obs, reward, terminated, truncated, info
+
+
+class FaultOnceEnv(CounterEnv):
+    """A :class:`CounterEnv` whose task ``seed`` in ``faults`` fails once: ``faults = {seed: (how,
+    step)}`` with ``how`` in ``"hang"`` / ``"raise"`` / ``"kill"``. The first episode of that seed
+    to reach ``step`` creates ``<marker_dir>/fault-<seed>`` and fails; later episodes (other
+    processes included) find the marker and play normally. Observations echo the action, so a
+    transcript shows which episode wrote what.
+    """
+
+    def __init__(
+        self, marker_dir: str, faults: dict[int, tuple[str, int]], max_turns: int = 3, hang_s: float = 3600.0
+    ) -> None:
+        for seed, (how, step) in faults.items():
+            if how not in ("hang", "raise", "kill") or step < 1:
+                raise ValueError(
+                    f"faults[{seed}]: expected (hang|raise|kill, step >= 1), got {(how, step)!r}"
+                )
+        super().__init__(max_turns)
+        self.marker_dir = marker_dir
+        self.faults = dict(faults)
+        self.hang_s = hang_s
+
+    def step(self, action: str) -> StepResult:
+        fault = self.faults.get(self.seed)  # type: ignore[arg-type]
+        if fault is not None and self.t + 1 == fault[1]:
+            try:
+                fd = os.open(os.path.join(self.marker_dir, f"fault-{self.seed}"), os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                fd = None
+            if fd is not None:
+                os.close(fd)
+                if fault[0] == "hang":
+                    time.sleep(self.hang_s)
+                elif fault[0] == "raise":
+                    raise RuntimeError(f"task {self.seed} exploded at step {fault[1]}")
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(action)

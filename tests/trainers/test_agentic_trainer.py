@@ -1,0 +1,228 @@
+"""trainers.agentic_trainer: the multi-turn RL pipeline end to end on a real tiny Qwen2 (transformers
+rollout engine, PyTorch train engine, FrozenLake in EnvRunner worker processes), in each rollout
+mode, with StarPO and GiGPO; configuration checks; the W3 benchmark and the recipe at tiny sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rollkit.advantages import gigpo_advantages, starpo_advantages
+from rollkit.ops import broadcast_to_tokens
+from rollkit.registry import ADVANTAGE_ESTIMATORS
+from trainers.agentic_trainer import AgenticConfig, AgenticTrainer
+from trainers.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = [
+    "--model",
+    "tiny",
+    "env.kwargs={size: 2, hole_prob: 0.0, max_turns: 2, end_on_format_error: false}",
+    "env.max_turns=2",
+    "env.max_context=800",
+    "rollout.groups_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_tokens=6",
+    "train.lr=1e-3",
+    "train.micro_batch_size=4",
+    "eval.episodes=4",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+]
+
+
+def tiny_cfg(tmp_path, *extra: str) -> AgenticConfig:
+    return load_config([*TINY, f"logging.dir={tmp_path}", *extra], base=AgenticConfig())
+
+
+def params_of(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.train.model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- config (fast)
+
+
+def test_config_loads_overrides_and_rejects_bad_values():
+    cfg = load_config(
+        ["rollout.mode=lockstep", "--algorithm.advantage", "gigpo", "--model", "tiny"], base=AgenticConfig()
+    )
+    assert (cfg.rollout.mode, cfg.algorithm.advantage, cfg.model.path) == ("lockstep", "gigpo", "tiny")
+    assert AgenticConfig().algorithm.advantage == "starpo"
+    bad = [
+        (["rollout.mode=batch"], "rollout.mode"),
+        (["rollout.mode=lockstep", "rollout.redundancy=1"], "redundan"),
+        (["rollout.num_env_groups=2", "rollout.groups_per_step=4"], "num_env_groups"),
+        (["algorithm.advantage=nope"], "algorithm.advantage"),
+        (["algorithm.policy_loss=nope"], "algorithm.policy_loss"),
+        (["algorithm.kl.coef=0.1"], "kl.coef"),
+        (["rollout.temperature=0"], "temperature"),
+        (["rollout.group_size=0"], "group_size"),
+        (["env.chat_template=maybe"], "chat_template"),
+    ]
+    for overrides, match in bad:
+        with pytest.raises(ValueError, match=match):
+            AgenticTrainer(load_config(["--model", "tiny", *overrides], base=AgenticConfig()))
+    with pytest.raises(ValueError, match="unknown field"):
+        load_config(["rollout.nope=1"], base=AgenticConfig())
+
+
+# ----------------------------------------------------------------------------- end to end (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode_args",
+    [
+        ["rollout.mode=lockstep"],
+        ["rollout.mode=async"],
+        ["rollout.mode=async", "rollout.num_env_groups=3", "rollout.redundancy=1"],
+    ],
+    ids=["lockstep", "async", "async+redundant"],
+)
+def test_the_whole_pipeline_trains_in_each_rollout_mode(tmp_path, mode_args):
+    # a random tiny model earns the same reward in every episode (all advantages 0): a small
+    # entropy bonus makes sure a gradient flows through the whole pipeline
+    cfg = tiny_cfg(tmp_path, *mode_args, "train.steps=2", "algorithm.entropy_coef=0.01")
+    with AgenticTrainer(cfg) as trainer:
+        before = params_of(trainer)
+        out = trainer.fit()
+        after = params_of(trainer)
+    assert out["steps"] == 2 and 0 <= out["success_before"] <= 1 and 0 <= out["success_after"] <= 1
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the weights did not change"
+    rows = [r for r in out["history"] if "time/step" in r]
+    assert len(rows) == 2
+    for r in rows:
+        for key in (
+            "env/hang",
+            "env/error",
+            "env/died",
+            "env/replaced",
+            "env/cancelled",
+            "reward/mean",
+            "success/rate",
+            "episode/turns_mean",
+            "loss/ratio_mean",
+            "optim/grad_norm",
+        ):
+            assert key in r, key
+        assert r["train/trajectories"] == 4 and r["rollout/episodes"] == 4
+        # the trainer's log-probs of the action tokens equal the rollout engine's (on-policy)
+        assert r["train/logprob_gap"] < 1e-3
+    if "rollout.redundancy=1" in mode_args:
+        assert all(r["rollout/launched"] == 9 for r in rows)
+        assert all(r["env/cancelled"] + r["rollout/discarded"] == 5 for r in rows)
+    assert Path(out["metrics_file"]).is_file() and Path(out["plot"]).is_file()
+
+
+@pytest.mark.slow
+def test_gigpo_step_uses_state_groups_and_starpo_one_advantage_per_trajectory(tmp_path):
+    cfg = tiny_cfg(tmp_path, "algorithm.advantage=gigpo", "algorithm.advantage_kwargs={gamma: 0.9}")
+    with AgenticTrainer(cfg) as trainer:
+        result = trainer.collect()
+        batch = result.to_batch(max_context=cfg.env.max_context, pad_token_id=trainer.pad_id)
+        adv, m = trainer.advantages(batch)
+        # every group's episodes start from the same state: anchor groups of size group_size exist
+        assert m["adv/state_groups_multi"] >= 2
+        want = gigpo_advantages(
+            batch.step_rewards,
+            batch.traj_ids,
+            batch.step_index,
+            batch.step_group_ids,
+            batch.state_ids,
+            batch.episode_returns,
+            gamma=0.9,
+        )
+        torch.testing.assert_close(adv, batch.steps_to_tokens(want))
+        assert not adv[~batch.response_mask].any()  # nothing on environment tokens or padding
+        metrics = trainer.step()
+        assert metrics["adv/state_groups_multi"] >= 2
+        cfg.algorithm.advantage, cfg.algorithm.advantage_kwargs = "starpo", {}
+        trainer.adv_entry = ADVANTAGE_ESTIMATORS.entry("starpo")
+        adv2, _ = trainer.advantages(batch)
+        want2 = broadcast_to_tokens(starpo_advantages(batch.rewards, batch.group_ids), batch.response_mask)
+        torch.testing.assert_close(adv2, want2)
+
+
+@pytest.mark.slow
+def test_async_training_bounds_staleness_per_turn(tmp_path):
+    """max_staleness=1: the next batch is collected while the current one trains; every turn
+    trained on is at most one version behind."""
+    cfg = tiny_cfg(tmp_path, "rollout.max_staleness=1", "train.steps=3", "eval.before=false")
+    with AgenticTrainer(cfg) as trainer:
+        out = trainer.fit()
+    rows = [r for r in out["history"] if "time/step" in r]
+    assert len(rows) == 3 and all(r["staleness/max"] <= 1 for r in rows)
+    assert all(r["rollout/episodes"] == 4 for r in rows)
+
+
+@pytest.mark.slow
+def test_w3_benchmark_runs_and_prints_three_modes(capsys):
+    spec = importlib.util.spec_from_file_location("_bench_agentic", ROOT / "benchmarks" / "bench_agentic.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    n = torch.get_num_threads()
+    try:
+        res = mod.main(
+            [
+                "--quick",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--groups",
+                "2",
+                "--group-size",
+                "2",
+                "--num-env-groups",
+                "3",
+                "--redundancy",
+                "1",
+                "--latency-mean",
+                "0.05",
+                "--latency-std",
+                "0.05",
+                "--threads",
+                "1",
+            ]
+        )
+    finally:
+        torch.set_num_threads(n)
+    out = capsys.readouterr().out
+    assert set(res) == {"lockstep", "async", "async+redundant"}
+    assert all(r["step_s"] > 0 for r in res.values())
+    assert re.search(r"speedup: asynchrony [\d.]+x, redundancy [\d.]+x on top, total [\d.]+x", out), out
+
+
+@pytest.mark.slow
+def test_recipe_tiny_runs_and_writes_plot(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "_recipe_agentic", ROOT / "recipes" / "agentic_frozenlake.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    n = torch.get_num_threads()
+    try:
+        out = mod.main(
+            [
+                "--model",
+                "tiny",
+                "train.steps=1",
+                "warmup.steps=2",
+                "eval.episodes=4",
+                "rollout.groups_per_step=2",
+                "rollout.group_size=2",
+                f"logging.dir={tmp_path}",
+                "logging.tensorboard=false",
+            ]
+        )
+    finally:
+        torch.set_num_threads(n)
+    assert out["steps"] == 1 and Path(out["plot"]).is_file()
+    assert 0 <= out["success_before"] <= 1 and 0 <= out["success_after"] <= 1
