@@ -125,3 +125,12 @@ def test_trl_side_by_side_tiny(capsys):
     want = {"rollkit", "TRL GRPOTrainer"} if importlib.util.find_spec("trl") else {"rollkit"}
     assert set(rows) == want and set(results) == want, rows
     assert all(0 <= r[2] <= 1 and 0 <= r[3] <= 1 for r in rows.values()), rows
+
+
+def test_train_step_tiny(capsys):
+    pytest.importorskip("transformers")
+    med = load("bench_train_step").main(["--model", "tiny", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = table(out, "speedup", 2)  # s/step, speedup
+    assert set(rows) == set(med) and len(rows) == 4, rows
+    assert rows["float32"][1] == 1.0 and all(r[0] > 0 for r in rows.values()), rows
