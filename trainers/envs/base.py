@@ -42,6 +42,7 @@ __all__ = [
     "ENVS",
     "Env",
     "StepResult",
+    "begin_grid_step",
     "extract_boxed",
     "parse_direction",
     "list_envs",
@@ -141,6 +142,36 @@ def parse_direction(text: str) -> str | None:
         return word if word in DIRECTIONS else None
     words = _DIRECTION_WORD.findall(text)
     return words[-1].lower() if words else None
+
+
+def begin_grid_step(env: Any, action: object) -> tuple[str | None, dict[str, Any], StepResult | None]:
+    """The shared start of a grid game's ``step`` (FrozenLake, Sokoban): check the action and
+    the episode, count the turn, parse the move. Returns ``(move, info, None)``, or for a
+    format error ``(None, info, result)`` with the result to return as GEM does (the
+    ``format_penalty``, and the episode ends if ``end_on_format_error`` or at ``max_turns``).
+    ``env`` has ``done``, ``turn``, ``max_turns``, ``end_on_format_error``,
+    ``format_penalty`` and ``_status()``."""
+    check_action(action)
+    if env.done:
+        raise RuntimeError("step() after the episode ended: call reset()")
+    env.turn += 1
+    move = parse_direction(action)
+    info: dict[str, Any] = {"parsed_action": move}
+    if move is not None:
+        return move, info, None
+    env.done = env.end_on_format_error or env.turn >= env.max_turns
+    obs = f"Your action was not valid: write one of {', '.join(DIRECTIONS)} in \\boxed{{}}."
+    return (
+        None,
+        info,
+        (
+            f"{obs}\n{env._status()}",
+            env.format_penalty,
+            env.end_on_format_error,
+            not env.end_on_format_error and env.turn >= env.max_turns,
+            info,
+        ),
+    )
 
 
 def check_action(action: object) -> str:

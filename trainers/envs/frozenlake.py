@@ -27,10 +27,9 @@ from trainers.envs.base import (
     FORMAT_PENALTY,
     Env,
     StepResult,
-    check_action,
+    begin_grid_step,
     check_positive_int,
     check_seed,
-    parse_direction,
 )
 
 __all__ = ["FrozenLakeEnv", "generate_map"]
@@ -161,22 +160,9 @@ class FrozenLakeEnv(Env):
         return self.instructions() + self._status(), {"seed": seed}
 
     def step(self, action: str) -> StepResult:
-        check_action(action)
-        if self.done:
-            raise RuntimeError("step() after the episode ended: call reset()")
-        self.turn += 1
-        move = parse_direction(action)
-        info: dict[str, Any] = {"parsed_action": move}
-        if move is None:
-            self.done = self.end_on_format_error or self.turn >= self.max_turns
-            obs = f"Your action was not valid: write one of {', '.join(DIRECTIONS)} in \\boxed{{}}."
-            return (
-                f"{obs}\n{self._status()}",
-                self.format_penalty,
-                self.end_on_format_error,
-                not self.end_on_format_error and self.turn >= self.max_turns,
-                info,
-            )
+        move, info, invalid = begin_grid_step(self, action)
+        if invalid is not None:
+            return invalid
         if self.slippery and self._rng.random() < self.slippery:
             move = self._rng.choice(_PERPENDICULAR[move])
             info["slipped_to"] = move

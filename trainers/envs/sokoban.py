@@ -28,10 +28,9 @@ from trainers.envs.base import (
     FORMAT_PENALTY,
     Env,
     StepResult,
-    check_action,
+    begin_grid_step,
     check_positive_int,
     check_seed,
-    parse_direction,
 )
 
 __all__ = ["SokobanEnv", "generate_level"]
@@ -208,22 +207,9 @@ class SokobanEnv(Env):
         return len(self.boxes & self.targets)
 
     def step(self, action: str) -> StepResult:
-        check_action(action)
-        if self.done:
-            raise RuntimeError("step() after the episode ended: call reset()")
-        self.turn += 1
-        move = parse_direction(action)
-        info: dict[str, Any] = {"parsed_action": move}
-        if move is None:
-            self.done = self.end_on_format_error or self.turn >= self.max_turns
-            obs = f"Your action was not valid: write one of {', '.join(DIRECTIONS)} in \\boxed{{}}."
-            return (
-                f"{obs}\n{self._status()}",
-                self.format_penalty,
-                self.end_on_format_error,
-                not self.end_on_format_error and self.turn >= self.max_turns,
-                info,
-            )
+        move, info, invalid = begin_grid_step(self, action)
+        if invalid is not None:
+            return invalid
         dr, dc = _MOVES[move]
         nxt = (self.player[0] + dr, self.player[1] + dc)
         before = self.boxes_on_targets()
