@@ -24,6 +24,7 @@ pytest.importorskip("ray")
 
 import ray
 import torch
+from _tiny_rl import RL_OVERRIDES
 
 from trainers.config import load_config
 from trainers.engines import SamplingParams, TorchTrainEngine, pack_generations
@@ -43,19 +44,8 @@ BASE = [
     "logging.plot=false",
     "ray.enabled=true",
 ]
-# RL on the warmed-up model (the settings of test_sync_trainer.test_rl_raises_held_out_accuracy).
-RL = [
-    "train.lr=5e-4",
-    "train.steps=25",
-    "rollout.prompts_per_step=8",
-    "rollout.n=8",
-    "rollout.temperature=1.0",
-    "rollout.max_tokens=4",
-    "eval.max_tokens=4",
-    "train.micro_batch_size=64",
-    "eval.before=true",
-    "rollout.prompts_per_request=4",
-]
+# RL on the warmed-up model: the in-process test's settings, requests of 4 prompts to the actors.
+RL = [*RL_OVERRIDES, "rollout.prompts_per_request=4"]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 import torch
+from _tiny_rl import RL_OVERRIDES
 
 from trainers.config import load_config
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
@@ -162,15 +163,7 @@ def test_resume_continues_the_same_run(tmp_path):
 def test_rl_raises_held_out_accuracy(tmp_path, warm_model):
     tr = make(
         tmp_path,
-        "train.lr=5e-4",
-        "train.steps=25",
-        "rollout.prompts_per_step=8",
-        "rollout.n=8",
-        "rollout.temperature=1.0",
-        "rollout.max_tokens=4",
-        "eval.max_tokens=4",
-        "train.micro_batch_size=64",
-        "eval.before=true",
+        *RL_OVERRIDES,
         model=copy.deepcopy(warm_model),
     )
     out = tr.fit()
