@@ -423,6 +423,19 @@ class RewardPool:
             out, self._results, self._round = self._results, {}, set()
             return out
 
+    def poll(self) -> dict[Hashable, float]:
+        """The samples scored since the last ``poll`` / ``gather``, without waiting (possibly
+        ``{}``). Their keys leave the round, so they may be submitted again; the samples still
+        being scored stay for a later ``poll`` or ``gather``. Raises ``RuntimeError`` if
+        workers cannot start at all. For consumers that act on each score as it arrives (the
+        asynchronous rollout scheduler)."""
+        with self._lock:
+            if self._fatal is not None:
+                raise RuntimeError(self._fatal)
+            out, self._results = self._results, {}
+            self._round.difference_update(out)
+            return out
+
     def metrics(self) -> dict[str, float]:
         """Counters over the pool's life (class docstring)."""
         with self._lock:

@@ -257,3 +257,28 @@ def test_ray_pool_math_verify_alarm_works_in_actors(ray_session):
         pool.submit("ok", "x=3", Prompt("q", "3"))
         assert pool.gather() == {"hang": 0.0, "ok": 1.0}
         assert pool.metrics()["timeouts"] == 0 and pool.metrics()["errors"] == 0
+
+
+@pytest.mark.slow
+def test_process_pool_poll_returns_scores_as_they_arrive():
+    with RewardPool(doubles.scripted, backend="process", num_workers=1, timeout_s=10) as pool:
+        assert pool.poll() == {}
+        pool.submit("fast", "46", Q)
+        pool.submit("slow", "sleep:0.5:1", Q)
+        got: dict = {}
+        deadline = time.time() + 20
+        while "fast" not in got and time.time() < deadline:
+            got.update(pool.poll())
+            time.sleep(0.01)
+        assert got == {"fast": 1.0}  # the slow one is still being scored
+        pool.submit("fast", "45", Q)  # a polled key may be submitted again
+        assert pool.gather() == {"slow": 1.0, "fast": 0.0}
+        assert pool.poll() == {}
+
+
+def test_inline_pool_poll():
+    with RewardPool("exact_match") as pool:
+        pool.submit(0, "46", Q)
+        pool.submit(1, "4", Q)
+        assert pool.poll() == {0: 1.0, 1: 0.0}
+        assert pool.poll() == {} and pool.gather() == {}
