@@ -33,6 +33,7 @@ from typing import Any, Union
 __all__ = [
     "ALIASES",
     "AlgorithmConfig",
+    "AsyncConfig",
     "CheckpointConfig",
     "Config",
     "DataConfig",
@@ -45,6 +46,7 @@ __all__ = [
     "RayConfig",
     "RewardConfig",
     "RolloutConfig",
+    "TailBatchingConfig",
     "TrainConfig",
     "apply_overrides",
     "config_to_dict",
@@ -155,6 +157,31 @@ class FilterConfig:
 
 
 @dataclass
+class TailBatchingConfig:
+    """RollPacker tail batching in the synchronous trainer (:class:`rollkit.scheduling.
+    TailBatchingPolicy`): short rounds over-provision prompts and responses, prompts that
+    were still running when the quota filled wait for a long round."""
+
+    enabled: bool = False
+    eta_prompts: float = 1.25  # a short round launches ceil(eta_prompts * prompts_per_step) prompts
+    eta_responses: float = 1.25  # each asking for ceil(eta_responses * n) responses
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous training (ROLL Flash): rollout keeps generating into a
+    :class:`rollkit.buffer.SampleBuffer` while the trainer trains (:mod:`trainers.async_trainer`)."""
+
+    enabled: bool = False
+    ratio: float = 1.0  # async ratio alpha: samples started by policies at most ceil(alpha) versions old
+    extra_prompts: int = 0  # over-provisioning: prompts running beyond ceil((1 + alpha) * prompts_per_step)
+    in_flight: str = "keep"  # at a weight update: "keep" partial samples and resubmit them, or "abort"
+    replicate: bool = True  # prompt replication: one request per sample (else one request per prompt)
+    num_engines: int = 1  # rollout engines the queue scheduler dispatches to (least loaded first)
+    chunk_tokens: int = 16  # hf engine: tokens a request advances per scheduler step
+
+
+@dataclass
 class RewardConfig:
     """Scoring: a verifier of :data:`trainers.rewards.VERIFIERS` run by a
     :class:`~trainers.rewards.RewardPool` on each sample as soon as it is generated."""
@@ -237,6 +264,8 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    tail_batching: TailBatchingConfig = field(default_factory=TailBatchingConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -268,6 +268,7 @@ class _Slot:
     setup_error: str = ""
     task: tuple[int, float] | None = None  # (task id, dispatch time)
     ref: Any = None  # ray backend: the score() call in flight
+    idle_since: float = 0.0  # perf_counter when it became ready or finished its last sample
 
 
 class RewardPool:
@@ -287,7 +288,16 @@ class RewardPool:
             verifiers are short and should not hold back the CPUs that trainer and rollout
             actors reserve; give a fraction such as 0.25 to make Ray account for them) and
             ``max_concurrency=1``, so its methods run on the actor's main thread.
-        num_workers: processes / actors (ignored inline).
+        num_workers: processes / actors (ignored inline); with ``max_workers`` the size the pool
+            starts at and never shrinks below.
+        max_workers: ``None`` (default): the pool keeps ``num_workers`` workers. Otherwise the
+            pool **scales with its queue** between ``num_workers`` and ``max_workers``: when
+            more samples wait to be dispatched than there are idle workers (those still
+            starting count as idle: they take a sample as soon as they are up), it starts the
+            difference, up to ``max_workers`` in all; a worker that has had nothing to do for
+            ``idle_s`` seconds while the pool is above ``num_workers`` is stopped. Ignored
+            inline.
+        idle_s: seconds a surplus worker may stay idle before it is stopped (with ``max_workers``).
         timeout_s: the most seconds one sample may take. Past it the sample scores 0.0
             (``timeouts``); the process and Ray backends kill the worker and start another.
         start_method: ``"forkserver"`` or ``"spawn"`` (process backend).
@@ -299,7 +309,15 @@ class RewardPool:
     (samples scored, failures included), ``errors``, ``timeouts``, ``crashes`` (samples whose
     worker died), ``restarts`` (workers replaced), ``busy_s`` (seconds spent inside the
     verifier), ``queue_hwm`` (the most samples submitted and not yet scored at once) and
-    ``pending`` (now). ``recent_errors`` keeps the last 20 error messages.
+    ``pending`` (now), and the pool's size: ``workers`` (now, starting ones included; 0
+    inline), ``workers_hwm`` (the most at once), ``scale_ups`` / ``scale_downs`` (workers
+    started / stopped by the queue-driven sizing; replacements of dead workers are
+    ``restarts``). ``recent_errors`` keeps the last 20 error messages.
+
+    Sizing example: ``RewardPool(v, backend="process", num_workers=1, max_workers=4,
+    idle_s=5.0)`` holds one worker while samples trickle in; a burst of 10 samples starts
+    three more (``scale_ups == 3``, ``workers_hwm == 4``), and five seconds after the burst
+    is scored the pool is back to one worker (``scale_downs == 3``).
     """
 
     def __init__(
@@ -308,6 +326,8 @@ class RewardPool:
         *,
         backend: str = "inline",
         num_workers: int = 2,
+        max_workers: int | None = None,
+        idle_s: float = 10.0,
         timeout_s: float = 10.0,
         start_method: str | None = None,
         ray_num_cpus: float = 0.0,
@@ -317,6 +337,15 @@ class RewardPool:
             raise ValueError(f"backend must be 'inline', 'process' or 'ray', got {backend!r}")
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
+        if max_workers is not None and (
+            not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < num_workers
+        ):
+            raise ValueError(
+                f"max_workers must be None (a fixed pool) or an int >= num_workers ({num_workers}), "
+                f"got {max_workers!r}"
+            )
+        if not (isinstance(idle_s, (int, float)) and not isinstance(idle_s, bool) and idle_s > 0):
+            raise ValueError(f"idle_s must be a number > 0, got {idle_s!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         if ray_num_cpus < 0:
@@ -324,6 +353,8 @@ class RewardPool:
         self.verifier = get_verifier(verifier)
         self.backend = backend
         self.num_workers = num_workers
+        self.max_workers = num_workers if max_workers is None else max_workers
+        self.idle_s = float(idle_s)
         self.timeout_s = float(timeout_s)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -332,7 +363,10 @@ class RewardPool:
         self._tasks: dict[int, tuple[Hashable, str, Prompt]] = {}  # not yet scored
         self._queue: collections.deque[int] = collections.deque()  # not yet dispatched
         self._next_id = 0
-        self._counts = dict.fromkeys(("scored", "errors", "timeouts", "crashes", "restarts"), 0)
+        self._counts = dict.fromkeys(
+            ("scored", "errors", "timeouts", "crashes", "restarts", "scale_ups", "scale_downs"), 0
+        )
+        self._workers_hwm = 0
         self._busy_s = 0.0
         self._hwm = 0
         self.recent_errors: collections.deque[str] = collections.deque(maxlen=20)
@@ -359,6 +393,7 @@ class RewardPool:
                 self._ctx.set_forkserver_preload(["trainers.rewards"])
             self._wake_r, self._wake_w = os.pipe()
             self._slots = [self._start_process() for _ in range(num_workers)]
+            self._workers_hwm = num_workers
             self._thread = threading.Thread(target=self._process_loop, name="RewardPool", daemon=True)
             self._thread.start()
         elif backend == "ray":
@@ -376,6 +411,7 @@ class RewardPool:
             self._actor_cls = ray.remote(_RayRewardWorker).options(**opts)
             self._wake = threading.Event()
             self._slots = [self._start_actor() for _ in range(num_workers)]
+            self._workers_hwm = num_workers
             self._thread = threading.Thread(target=self._ray_loop, name="RewardPool", daemon=True)
             self._thread.start()
 
@@ -444,6 +480,8 @@ class RewardPool:
                 "busy_s": self._busy_s,
                 "queue_hwm": float(self._hwm),
                 "pending": float(len(self._tasks)),
+                "workers": float(len(self._slots)),
+                "workers_hwm": float(self._workers_hwm),
             }
 
     def worker_pids(self) -> list[int]:
@@ -506,6 +544,55 @@ class RewardPool:
             self._fatal = f"RewardPool: workers keep failing to start ({self._startup_failures} times): {why}"
             self._cond.notify_all()
 
+    # ------------------------------------------------------------------ sizing (dispatcher thread)
+
+    def _start_worker(self) -> _Slot:
+        return self._start_process() if self.backend == "process" else self._start_actor()
+
+    def _scale_up(self) -> None:
+        """Start workers while more samples wait to be dispatched than workers are free
+        (idle or still starting), up to ``max_workers``."""
+        if len(self._slots) >= self.max_workers:
+            return
+        free = sum(1 for s in self._slots if s.task is None)
+        with self._lock:
+            waiting = len(self._queue)
+        new = min(waiting - free, self.max_workers - len(self._slots))
+        for _ in range(max(new, 0)):
+            slot = self._start_worker()
+            with self._lock:
+                self._slots.append(slot)
+                self._counts["scale_ups"] += 1
+                self._workers_hwm = max(self._workers_hwm, len(self._slots))
+
+    def _surplus_idle(self) -> list[_Slot]:
+        """Idle workers beyond ``num_workers``, longest idle first."""
+        surplus = len(self._slots) - self.num_workers
+        if surplus <= 0:
+            return []
+        idle = sorted((s for s in self._slots if s.ready and s.task is None), key=lambda s: s.idle_since)
+        return idle[:surplus]
+
+    def _next_idle_deadline(self) -> float:
+        """When the next surplus worker reaches ``idle_s`` (``inf`` if none is waiting to)."""
+        if len(self._slots) <= self.num_workers:
+            return math.inf
+        return min((s.idle_since + self.idle_s for s in self._surplus_idle()), default=math.inf)
+
+    def _scale_down(self) -> None:
+        """Stop surplus workers that have been idle for ``idle_s`` (never below ``num_workers``)."""
+        now = time.perf_counter()
+        with self._lock:
+            if self._queue:
+                return
+        for s in self._surplus_idle():
+            if now - s.idle_since < self.idle_s:
+                break  # longest idle first: the rest are younger
+            with self._lock:
+                self._slots = [x for x in self._slots if x is not s]
+                self._counts["scale_downs"] += 1
+            self._stop_slot(s, graceful=True)
+
     # ------------------------------------------------------------------ process backend
 
     def _start_process(self) -> _Slot:
@@ -547,7 +634,7 @@ class RewardPool:
             self._counts["restarts"] += 1
             if self._fatal is not None or self._closed:
                 return
-        self._slots[i] = self._start_process() if self.backend == "process" else self._start_actor()
+        self._slots[i] = self._start_worker()
 
     def _dispatch(self, send: Callable[[_Slot, int, str, Prompt], None]) -> None:
         for s in self._slots:
@@ -582,9 +669,12 @@ class RewardPool:
                 pass  # the worker is dead: its sentinel reports it below
 
         while not self._closed and self._fatal is None:
+            self._scale_down()
             self._dispatch(send)
+            self._scale_up()
             now = time.perf_counter()
             wait_s = min((s.task[1] + self.timeout_s - now for s in self._slots if s.task), default=1.0)
+            wait_s = min(wait_s, self._next_idle_deadline() - now)
             objs: list[Any] = [self._wake_r]
             for s in self._slots:
                 objs += [s.conn, s.handle.sentinel]
@@ -611,7 +701,7 @@ class RewardPool:
     def _on_message(self, s: _Slot, msg: tuple) -> None:
         kind = msg[0]
         if kind == "ready":
-            s.ready = True
+            s.ready, s.idle_since = True, time.perf_counter()
             return
         if kind == "setup_error":
             s.setup_error = msg[1]  # the worker exits next; _replace counts the failure
@@ -619,7 +709,7 @@ class RewardPool:
         with self._lock:
             _, task_id, status, reward, busy, err = msg
             if s.task is not None and s.task[0] == task_id:
-                s.task = None
+                s.task, s.idle_since = None, time.perf_counter()
             self._record(task_id, status, reward, busy, err)
 
     # ------------------------------------------------------------------ ray backend
@@ -638,7 +728,9 @@ class RewardPool:
             s.ref = s.handle.score.remote(completion, prompt)
 
         while not self._closed and self._fatal is None:
+            self._scale_down()
             self._dispatch(send)
+            self._scale_up()
             self._wake.clear()
             refs = [s.ready_ref for s in self._slots if s.ready_ref is not None]
             refs += [s.ref for s in self._slots if s.ref is not None]
@@ -654,7 +746,7 @@ class RewardPool:
                 if s.ready_ref is not None and s.ready_ref in done:
                     try:
                         ray.get(s.ready_ref)
-                        s.ready, s.ready_ref = True, None
+                        s.ready, s.ready_ref, s.idle_since = True, None, time.perf_counter()
                     except Exception as e:  # the actor could not start
                         self._replace(i, "crash", f"{type(e).__name__}: {e}")
                         if self._fatal is not None:
@@ -669,7 +761,7 @@ class RewardPool:
                     except Exception as e:  # anything else counts as an error
                         status, reward, busy, err = "error", 0.0, 0.0, f"{type(e).__name__}: {e}"
                     task_id = s.task[0] if s.task else -1
-                    s.task, s.ref = None, None
+                    s.task, s.ref, s.idle_since = None, None, time.perf_counter()
                     with self._lock:
                         self._record(task_id, status, reward, busy, err)
                 elif s.task is not None and time.perf_counter() - s.task[1] > self.timeout_s:

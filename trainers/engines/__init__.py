@@ -17,17 +17,29 @@ from trainers.engines.base import (
     position_ids_from_mask,
 )
 from trainers.engines.hf_rollout import HFRolloutEngine, process_logits
+from trainers.engines.requests import (
+    HFRequestEngine,
+    Request,
+    RequestEngine,
+    VLLMRequestEngine,
+    as_request_engine,
+)
 from trainers.engines.torch_train import TorchTrainEngine, token_logprobs
 
 __all__ = [
     "DeepSpeedTrainEngine",
     "Generation",
+    "HFRequestEngine",
     "HFRolloutEngine",
     "PackedBatch",
+    "Request",
+    "RequestEngine",
     "RolloutEngine",
     "SamplingParams",
     "TorchTrainEngine",
     "TrainEngine",
+    "VLLMRequestEngine",
+    "as_request_engine",
     "pack",
     "pack_generations",
     "pad_right",

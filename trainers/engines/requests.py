@@ -1,0 +1,419 @@
+"""Request-level rollout: one sample per request, added, advanced, finished or aborted one by one.
+
+The batch interface (:class:`~trainers.engines.base.RolloutEngine.generate`) runs a whole batch
+to its end. Asynchronous training, queue scheduling and tail batching need finer control:
+start a request whenever a slot frees, collect each one the moment it finishes, stop the ones
+no longer wanted, and, across a weight update, *keep* what a request generated so far and
+continue it under the new weights (ROLL Flash, Lu et al. 2025, arXiv:2510.11345; RollPacker,
+Gao et al. 2025, arXiv:2509.21009). A :class:`RequestEngine` does that::
+
+    engine.add([Request("a", prompt_ids, SamplingParams(max_tokens=64, seed=1))])
+    while engine.num_running:
+        for req in engine.step():       # the requests that finished during this step
+            ...                         # req.token_ids, req.logprobs, req.finish_reason
+    partial = engine.abort(["b"])       # stopped: the tokens generated so far are kept
+    engine.update_weights(weights, version=1)      # only with nothing running
+    engine.add(partial)                 # continues after its last token, new weights
+
+A :class:`Request` carries its own progress: ``token_ids`` / ``logprobs`` (the processed
+log-prob of each token under the policy that sampled it, as in :class:`~trainers.engines.base.
+Generation`) and ``token_versions`` (the engine's ``policy_version`` when each token was
+sampled). Adding a request that already has tokens continues it: the engine's prompt is
+``prompt_ids + token_ids`` and it samples at most ``params.max_tokens - len(token_ids)`` more,
+so a finished request has the same length budget however often it was stopped and resumed.
+``start_version`` is set by the caller (the version that *started* the sample, the one the
+freshness bound of :class:`rollkit.buffer.SampleBuffer` uses) and never changed by the engine.
+
+Two implementations over the existing engines:
+
+* :class:`VLLMRequestEngine`: vLLM's own continuous batching (``LLMEngine.add_request`` /
+  ``step`` / ``abort_request``, outputs streamed as deltas so an aborted request keeps its
+  tokens).
+* :class:`HFRequestEngine`: the embedded default. Each :meth:`~HFRequestEngine.step` takes up
+  to ``max_batch_size`` running requests (oldest first), prefills their prompts and tokens so
+  far, and decodes up to ``chunk_tokens`` tokens for all of them with a KV cache; requests
+  added meanwhile join at the next step. Continuous batching at a granularity of
+  ``chunk_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
+
+__all__ = [
+    "HFRequestEngine",
+    "Request",
+    "RequestEngine",
+    "VLLMRequestEngine",
+    "as_request_engine",
+]
+
+
+@dataclass
+class Request:
+    """One sample to generate (``params.n`` must be 1: a prompt with ``n`` samples is ``n``
+    requests, *prompt replication*).
+
+    Attributes:
+        request_id: unique among the requests an engine holds.
+        prompt_ids: the prompt's token ids (at least one).
+        params: sampling parameters; ``max_tokens`` is the budget of the whole response.
+        start_version: the policy version that started the sample (set by the caller).
+        token_ids, logprobs, token_versions: the response so far, the processed log-prob of
+            each token and the engine ``policy_version`` that sampled it.
+        finish_reason: ``"stop"`` (a stop token, the last of ``token_ids``) or ``"length"``
+            once finished; ``None`` while running or after an abort.
+        tag: the caller's bookkeeping (e.g. which prompt and sample this is); not read.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    start_version: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    finish_reason: Literal["stop", "length"] | None = None
+    tag: Any = None
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the request may still generate."""
+        return self.params.max_tokens - len(self.token_ids)
+
+    @property
+    def resumed(self) -> bool:
+        """Whether more than one policy version sampled this response."""
+        return len(set(self.token_versions)) > 1
+
+    def to_generation(self, prompt_index: int = 0) -> Generation:
+        """The finished request as a :class:`~trainers.engines.base.Generation` whose
+        ``policy_version`` is the *start* version."""
+        if self.finish_reason is None:
+            raise ValueError(f"request {self.request_id!r} is not finished")
+        return Generation(
+            prompt_index=prompt_index,
+            prompt_ids=list(self.prompt_ids),
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason,
+            policy_version=self.start_version,
+        )
+
+
+def _check_new(req: Request, held: set[str]) -> None:
+    if not isinstance(req, Request):
+        raise TypeError(f"requests: expected Request objects, got {type(req).__name__}")
+    if req.request_id in held:
+        raise ValueError(f"requests: request_id {req.request_id!r} is already running")
+    if req.params.n != 1:
+        raise ValueError(
+            f"requests: request {req.request_id!r} has params.n={req.params.n}; a request is one "
+            "sample (make n requests for n samples)"
+        )
+    if not req.prompt_ids:
+        raise ValueError(f"requests: request {req.request_id!r} has an empty prompt")
+    if req.finish_reason is not None:
+        raise ValueError(f"requests: request {req.request_id!r} is already finished")
+    if req.remaining < 1:
+        raise ValueError(
+            f"requests: request {req.request_id!r} has no token budget left "
+            f"({len(req.token_ids)} tokens, max_tokens={req.params.max_tokens})"
+        )
+    if not (len(req.token_ids) == len(req.logprobs) == len(req.token_versions)):
+        raise ValueError(
+            f"requests: request {req.request_id!r} has {len(req.token_ids)} tokens, "
+            f"{len(req.logprobs)} log-probs and {len(req.token_versions)} versions"
+        )
+
+
+@runtime_checkable
+class RequestEngine(Protocol):
+    """A rollout engine driven one request at a time (module docstring)."""
+
+    policy_version: int
+
+    @property
+    def num_running(self) -> int:
+        """Requests added and neither finished nor aborted (the load, for least-loaded dispatch)."""
+        ...
+
+    def add(self, requests: Sequence[Request]) -> None:
+        """Start (or continue) requests; they advance at the next :meth:`step`."""
+        ...
+
+    def step(self) -> list[Request]:
+        """Advance the running requests; return those that finished (``finish_reason`` set)."""
+        ...
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
+        """Stop requests (all if ``None``; unknown ids are ignored) and return them with the
+        tokens generated so far (``finish_reason`` stays ``None``): add them again to continue."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load new weights (the underlying engine's ``update_weights``); refused while requests
+        run: abort them first (and add them again after)."""
+        ...
+
+
+def _continuation_seed(req: Request) -> int | None:
+    """The seed for the next segment of a request: its own seed for a fresh request, a seed
+    derived from it and the tokens so far when it continues (a new random stream)."""
+    s = req.params.seed
+    if s is None:
+        return None
+    return (s + 1_000_003 * len(req.token_ids)) % (2**62)
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+class VLLMRequestEngine:
+    """:class:`RequestEngine` over a :class:`~trainers.engines.vllm_rollout.VLLMRolloutEngine`.
+
+    Each request is one vLLM request (``n=1``, the request's seed; a continued request gets a
+    derived seed) whose output is streamed as deltas (``RequestOutputKind.DELTA``), so the
+    tokens and log-probs of an aborted request are kept. :meth:`step` is one
+    ``LLMEngine.step()``: vLLM schedules every running request (continuous batching, chunked
+    prefill). Use the rollout engine only through this object while requests run.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine = engine
+        self._delta = RequestOutputKind.DELTA
+        self._running: dict[str, tuple[Request, str]] = {}  # request_id -> (request, vLLM internal id)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        held = set(self._running)
+        for r in requests:
+            _check_new(r, held)
+            held.add(r.request_id)
+        self.engine._check_can_generate([r.prompt_ids for r in requests])
+        core = self.engine.llm.llm_engine
+        for r in requests:
+            p = dataclasses.replace(r.params, n=1, max_tokens=r.remaining, seed=_continuation_seed(r))
+            vp = self.engine._vllm_params(p)
+            vp.output_kind = self._delta
+            prompt = {"prompt_token_ids": [int(t) for t in r.prompt_ids] + [int(t) for t in r.token_ids]}
+            internal = core.add_request(r.request_id, prompt, vp)
+            self._running[r.request_id] = (r, internal)
+
+    def step(self) -> list[Request]:
+        if not self._running:
+            return []
+        version = self.engine.policy_version
+        done: list[Request] = []
+        for out in self.engine.llm.llm_engine.step():
+            entry = self._running.get(out.request_id)
+            if entry is None:
+                continue  # an aborted request's last output
+            r = entry[0]
+            if len(out.outputs) != 1:
+                raise RuntimeError(f"vLLM returned {len(out.outputs)} outputs for request {r.request_id!r}")
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            if ids:
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RuntimeError(f"vLLM returned no per-token log-probs for request {r.request_id!r}")
+                r.token_ids += ids
+                r.logprobs += [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
+                r.token_versions += [version] * len(ids)
+            if out.finished:
+                r.finish_reason = self.engine._finish_reason(c.finish_reason, r.token_ids, r.params)
+                del self._running[r.request_id]
+                done.append(r)
+        return done
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
+        ids = list(self._running) if request_ids is None else [i for i in request_ids if i in self._running]
+        if not ids:
+            return []
+        out = [self._running.pop(i) for i in ids]
+        self.engine.llm.llm_engine.abort_request([internal for _, internal in out], internal=True)
+        return [r for r, _ in out]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        if self._running:
+            raise RuntimeError(f"update_weights: {len(self._running)} requests are running; abort them first")
+        self.engine.update_weights(named_tensors, version)
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+class HFRequestEngine:
+    """:class:`RequestEngine` over an :class:`~trainers.engines.hf_rollout.HFRolloutEngine`.
+
+    Args:
+        engine: the batch engine (its model, tokenizer, EOS tokens, ``update_weights``).
+        chunk_tokens: the most tokens a request advances per :meth:`step`.
+        max_batch_size: the most requests advanced per step, oldest first (``None``: all).
+        seed: seeds the sampler (the requests' own seeds are not used: rows share one
+            generator per step, so a sample depends on its batch; runs are reproducible for
+            the same calls).
+
+    A step groups the running requests by sampling settings (temperature, top-k, top-p, stop
+    tokens) and advances the group of the oldest request: one prefill of ``prompt + tokens so
+    far`` (left-padded, the layout of :func:`trainers.engines.base.pack`), then up to
+    ``chunk_tokens`` decoding steps with the KV cache; a row stops at a stop token or at its own
+    ``max_tokens``, and the step ends early once every row has stopped. Log-probs follow
+    :func:`trainers.engines.hf_rollout.process_logits` (the processed distribution).
+    """
+
+    def __init__(
+        self, engine: Any, *, chunk_tokens: int = 16, max_batch_size: int | None = None, seed: int = 0
+    ) -> None:
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be None or an int >= 1, got {max_batch_size!r}")
+        self.engine = engine
+        self.chunk_tokens = chunk_tokens
+        self.max_batch_size = max_batch_size
+        self._running: dict[str, Request] = {}
+        self._gen = torch.Generator(device=engine.device).manual_seed(seed)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        held = set(self._running)
+        for r in requests:
+            _check_new(r, held)
+            held.add(r.request_id)
+        if self.engine._sleep_level:
+            raise RuntimeError("the engine is asleep: call wake() first")
+        if self.engine._needs_weights:
+            raise RuntimeError("weights were discarded by sleep(level=2): call update_weights() first")
+        for r in requests:
+            self._running[r.request_id] = r
+
+    def _stop_set(self, p: SamplingParams) -> tuple[int, ...]:
+        stop = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop.update(self.engine.eos_token_ids)
+        return tuple(sorted(stop))
+
+    def _key(self, r: Request) -> tuple:
+        p = r.params
+        return (p.temperature, p.top_k, p.top_p, self._stop_set(p))
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        from trainers.engines.hf_rollout import process_logits
+
+        if not self._running:
+            return []
+        first = next(iter(self._running.values()))
+        key = self._key(first)
+        rows = [r for r in self._running.values() if self._key(r) == key]
+        if self.max_batch_size is not None:
+            rows = rows[: self.max_batch_size]
+        eng, dev = self.engine, self.engine.device
+        temperature, top_k, top_p, stop = key
+        stop_t = torch.tensor(stop, dtype=torch.long, device=dev)
+        B = len(rows)
+        prefixes = [list(r.prompt_ids) + list(r.token_ids) for r in rows]
+        P = max(len(x) for x in prefixes)
+        ids = torch.full((B, P), eng.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for b, x in enumerate(prefixes):
+            ids[b, P - len(x) :] = torch.tensor(x)
+            mask[b, P - len(x) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = position_ids_from_mask(mask)
+        o = eng.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache, logits = o.past_key_values, o.logits[:, -1]
+        budget = torch.tensor([min(r.remaining, self.chunk_tokens) for r in rows], device=dev)
+        K = int(budget.max())
+        toks = torch.full((B, K), eng.pad_token_id, dtype=torch.long, device=dev)
+        lps = torch.zeros((B, K), dtype=torch.float32, device=dev)
+        n_new = budget.clone()  # tokens each row takes from this step
+        stopped = torch.zeros(B, dtype=torch.bool, device=dev)  # hit a stop token
+        active = torch.ones(B, dtype=torch.bool, device=dev)
+        pos = pos[:, -1:]
+        for t in range(K):
+            logp = process_logits(logits, temperature, top_k, top_p)
+            if temperature == 0:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(-1)
+            tok = torch.where(active, tok, eng.pad_token_id)
+            toks[:, t], lps[:, t] = tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+            hit = torch.isin(tok, stop_t) & active
+            n_new = torch.where(hit, t + 1, n_new)
+            stopped |= hit
+            active &= ~hit & (budget > t + 1)
+            if t == K - 1 or not bool(active.any()):
+                break
+            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
+            pos = pos + 1
+            o = eng.model(
+                input_ids=tok[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache, logits = o.past_key_values, o.logits[:, -1]
+        toks, lps, n_new, stopped = toks.cpu(), lps.cpu(), n_new.tolist(), stopped.tolist()
+        version, done = eng.policy_version, []
+        for b, r in enumerate(rows):
+            k = n_new[b]
+            r.token_ids += toks[b, :k].tolist()
+            r.logprobs += lps[b, :k].tolist()
+            r.token_versions += [version] * k
+            if stopped[b] or r.remaining <= 0:
+                r.finish_reason = "stop" if stopped[b] else "length"
+                del self._running[r.request_id]
+                done.append(r)
+        return done
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
+        ids = list(self._running) if request_ids is None else [i for i in request_ids if i in self._running]
+        return [self._running.pop(i) for i in ids]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        if self._running:
+            raise RuntimeError(f"update_weights: {len(self._running)} requests are running; abort them first")
+        self.engine.update_weights(named_tensors, version)
+
+
+def as_request_engine(engine: Any, *, chunk_tokens: int = 16, seed: int = 0) -> RequestEngine:
+    """The request-level view of a batch rollout engine: a :class:`VLLMRequestEngine` for a
+    ``VLLMRolloutEngine``, an :class:`HFRequestEngine` for an ``HFRolloutEngine``; a
+    :class:`RequestEngine` is returned as is."""
+    if isinstance(engine, (HFRequestEngine, VLLMRequestEngine)):
+        return engine
+    name = type(engine).__name__
+    if name == "VLLMRolloutEngine":
+        return VLLMRequestEngine(engine)
+    if name == "HFRolloutEngine":
+        return HFRequestEngine(engine, chunk_tokens=chunk_tokens, seed=seed)
+    if isinstance(engine, RequestEngine):
+        return engine
+    raise TypeError(f"engine: no request-level view of {name} (expected an HF or vLLM rollout engine)")
