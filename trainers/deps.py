@@ -24,6 +24,4 @@ def require(module: str) -> ModuleType:
     except ImportError as e:
         top = module.split(".")[0]
         hint = INSTALL_HINTS.get(top, f"'{top}'")
-        raise ImportError(
-            f"{module!r} is not installed: pip install {hint} (see scripts/install.sh)"
-        ) from e
+        raise ImportError(f"{module!r} is not installed: pip install {hint} (see scripts/install.sh)") from e

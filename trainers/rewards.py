@@ -7,8 +7,9 @@ A **verifier** maps one completion to a scalar reward::
 where the :class:`~trainers.data.Prompt` carries the ground truth (``.answer``) and its
 ``.data_source``. :data:`VERIFIERS` names the built-in ones (``"exact_match"``: the last
 number of the completion equals the answer; ``"math_verify"``: Hugging Face's Math-Verify
-parses the answer and the completion into sympy and compares them); :func:`get_verifier`
-resolves a name or passes a callable through.
+parses the answer and the completion into sympy and compares them); :data:`VERIFIER_FACTORIES`
+names those built from settings (``"llm_judge"``: a judge model grades the completion,
+:mod:`trainers.judge`); :func:`get_verifier` resolves a name or passes a callable through.
 
 A :class:`RewardPool` runs a verifier on worker processes (or Ray actors, or inline) so that
 the rollout loop can hand each sample over the moment it is generated
@@ -27,6 +28,11 @@ worker whose sample runs past ``timeout_s`` (a verifier stuck in C code, e.g. sy
 ``9^(9^(9^9))``, cannot be interrupted any other way) and start a replacement; the inline
 backend cannot interrupt its own thread, so it scores an over-long sample ``0.0`` after it
 returns.
+
+The process and Ray pools can size themselves to their queue (``max_workers``): they start
+workers while more samples wait to be dispatched than workers are free, and stop a worker
+that has been idle ``idle_s`` seconds, never going below ``num_workers`` or above
+``max_workers`` (:class:`RewardPool`; ``scale_ups`` / ``scale_downs`` in its metrics).
 
 Math-Verify guards its own parsing and comparison with ``signal.alarm``, which only works in
 the main thread of a process. Pool workers run every sample in their main thread (the process
@@ -63,11 +69,13 @@ from trainers.data import Prompt, exact_match_reward
 
 __all__ = [
     "VERIFIERS",
+    "VERIFIER_FACTORIES",
     "MathVerifier",
     "RewardPool",
     "Verifier",
     "exact_match",
     "get_verifier",
+    "llm_judge",
     "math_verify_reward",
     "rollout_and_score",
 ]
@@ -171,20 +179,50 @@ VERIFIERS: dict[str, Verifier] = {
 }
 
 
-def get_verifier(name_or_fn: str | Verifier) -> Verifier:
-    """The verifier called ``name_or_fn`` in :data:`VERIFIERS`, or ``name_or_fn`` itself if callable.
+def llm_judge(*, judge_model: str = "", **options: Any) -> Verifier:
+    """A :class:`trainers.judge.JudgeReward` whose engine is built from ``judge_model`` on first
+    use (``""``: the embedded SmolLM2-135M-Instruct, ``"tiny"``: the tiny random Qwen2, else a
+    checkpoint directory); ``options`` are its other keyword arguments (``max_tokens``,
+    ``invalid_score``, ``template``, ...)."""
+    from trainers.judge import JudgeReward
+
+    return JudgeReward(model=judge_model, **options)
+
+
+#: name -> factory(**options) -> verifier, for verifiers built from settings (a judge model)
+#: rather than shared instances: ``get_verifier("llm_judge", judge_model="tiny")``.
+VERIFIER_FACTORIES: dict[str, Callable[..., Verifier]] = {
+    "llm_judge": llm_judge,
+}
+
+
+def get_verifier(name_or_fn: str | Verifier, **options: Any) -> Verifier:
+    """The verifier called ``name_or_fn`` in :data:`VERIFIERS`, a new one from its factory in
+    :data:`VERIFIER_FACTORIES` (called with ``options``), or ``name_or_fn`` itself if callable.
+    Only factories take ``options``.
 
     >>> get_verifier("exact_match") is exact_match
     True
+    >>> get_verifier("llm_judge", judge_model="tiny", max_tokens=16).max_tokens
+    16
     """
+    known = sorted({*VERIFIERS, *VERIFIER_FACTORIES})
     if isinstance(name_or_fn, str):
+        if name_or_fn in VERIFIER_FACTORIES:
+            return VERIFIER_FACTORIES[name_or_fn](**options)
         if name_or_fn not in VERIFIERS:
-            raise ValueError(f"verifier: unknown name {name_or_fn!r}; known: {sorted(VERIFIERS)}")
+            raise ValueError(f"verifier: unknown name {name_or_fn!r}; known: {known}")
+        if options:
+            raise TypeError(f"verifier {name_or_fn!r} takes no options, got {sorted(options)}")
         return VERIFIERS[name_or_fn]
     if callable(name_or_fn):
+        if options:
+            raise TypeError(
+                f"options are for named verifier factories, got {sorted(options)} with a callable"
+            )
         return name_or_fn
     raise TypeError(
-        f"verifier must be a name in {sorted(VERIFIERS)} or a callable (completion, prompt) -> float, "
+        f"verifier must be a name in {known} or a callable (completion, prompt) -> float, "
         f"got {type(name_or_fn).__name__}"
     )
 
@@ -540,7 +578,7 @@ class RewardPool:
     def _startup_failed(self, why: str) -> None:
         self._startup_failures += 1
         self.recent_errors.append(f"worker failed to start: {why}")
-        if self._startup_failures >= 3 * self.num_workers:
+        if self._startup_failures >= 3 * self.max_workers:
             self._fatal = f"RewardPool: workers keep failing to start ({self._startup_failures} times): {why}"
             self._cond.notify_all()
 

@@ -17,7 +17,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import _reward_doubles as doubles
 
 from trainers.data import Prompt
-from trainers.rewards import VERIFIERS, MathVerifier, RewardPool, exact_match, get_verifier
+from trainers.rewards import (
+    VERIFIER_FACTORIES,
+    VERIFIERS,
+    MathVerifier,
+    RewardPool,
+    exact_match,
+    get_verifier,
+)
 
 Q = Prompt("12+34=", "46", "addition")
 
@@ -29,11 +36,18 @@ def test_get_verifier():
     assert get_verifier("exact_match") is exact_match
     assert isinstance(get_verifier("math_verify"), MathVerifier)
     assert get_verifier(doubles.scripted) is doubles.scripted
-    assert set(VERIFIERS) >= {"exact_match", "math_verify"}
-    with pytest.raises(ValueError, match=r"unknown name 'nope'.*'exact_match', 'math_verify'"):
+    assert set(VERIFIERS) >= {"exact_match", "math_verify"} and "llm_judge" in VERIFIER_FACTORIES
+    with pytest.raises(ValueError, match=r"unknown name 'nope'.*'exact_match', 'llm_judge', 'math_verify'"):
         get_verifier("nope")
     with pytest.raises(TypeError, match="verifier must be a name"):
         get_verifier(3)
+    # factories build a new verifier from options; plain names and callables take none
+    judge = get_verifier("llm_judge", judge_model="tiny", max_tokens=5)
+    assert judge.model == "tiny" and judge.max_tokens == 5 and judge is not get_verifier("llm_judge")
+    with pytest.raises(TypeError, match="'exact_match' takes no options"):
+        get_verifier("exact_match", judge_model="tiny")
+    with pytest.raises(TypeError, match="options are for named verifier factories"):
+        get_verifier(doubles.scripted, max_tokens=3)
 
 
 def test_exact_match():
@@ -107,6 +121,7 @@ def test_inline_pool_keys_errors_and_metrics():
         m = pool.metrics()
         assert (m["scored"], m["errors"], m["timeouts"], m["crashes"]) == (6, 2, 1, 0)
         assert m["busy_s"] >= 0.1 and m["pending"] == 0 and m["queue_hwm"] == 1
+        assert (m["workers"], m["workers_hwm"], m["scale_ups"], m["scale_downs"]) == (0, 0, 0, 0)
         assert any("RuntimeError: verifier failed on purpose" in e for e in pool.recent_errors)
         # a new round: keys may be reused, gather of an empty round is empty
         assert pool.gather() == {}
@@ -121,6 +136,14 @@ def test_pool_bad_arguments():
         RewardPool("exact_match", backend="threads")
     with pytest.raises(ValueError, match="num_workers"):
         RewardPool("exact_match", backend="process", num_workers=0)
+    for bad in (1, 2.5, True, "4"):
+        with pytest.raises(
+            ValueError, match=r"max_workers must be None \(a fixed pool\) or an int >= num_workers"
+        ):
+            RewardPool("exact_match", backend="process", num_workers=2, max_workers=bad)
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(ValueError, match="idle_s must be a number > 0"):
+            RewardPool("exact_match", backend="process", num_workers=1, max_workers=2, idle_s=bad)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardPool("exact_match", timeout_s=0)
     with pytest.raises(ValueError, match="start_method"):
@@ -159,6 +182,8 @@ def run_failure_scenario(pool, *, timeout_s):
     m = pool.metrics()
     assert (m["scored"], m["errors"], m["timeouts"], m["crashes"]) == (11, 1, 1, 1)
     assert m["restarts"] == 2 and m["queue_hwm"] == 11 and m["pending"] == 0
+    # a fixed-size pool: replacements are restarts, never scaling
+    assert m["workers"] == m["workers_hwm"] == pool.num_workers and m["scale_ups"] == m["scale_downs"] == 0
     # the replacements work
     for k in range(8):
         pool.submit(k, "46" if k % 2 else "45", Q)
@@ -282,3 +307,75 @@ def test_inline_pool_poll():
         pool.submit(1, "4", Q)
         assert pool.poll() == {0: 1.0, 1: 0.0}
         assert pool.poll() == {} and pool.gather() == {}
+
+
+# --------------------------------------------------------------------------- queue-driven sizing
+
+
+def run_scaling_scenario(pool, *, burst, sleep_s):
+    """A burst of slow samples grows the pool from ``num_workers`` to ``max_workers``; once it
+    has been idle for ``idle_s`` it shrinks back; the shrunk pool still scores. Returns the
+    metrics at the end."""
+    lo, hi = pool.num_workers, pool.max_workers
+    assert pool.metrics()["workers"] == lo
+    for k in range(burst):
+        pool.submit(k, f"sleep:{sleep_s}:{k}", Q)
+    assert pool.gather() == {k: float(k) for k in range(burst)}
+    m = pool.metrics()
+    assert m["workers_hwm"] == hi and m["scale_ups"] == hi - lo  # grew to the cap, not beyond
+    deadline = time.time() + 60
+    while pool.metrics()["workers"] > lo and time.time() < deadline:
+        time.sleep(0.05)
+    m = pool.metrics()
+    assert m["workers"] == lo and m["scale_downs"] == hi - lo and m["workers_hwm"] == hi
+    assert m["restarts"] == 0 and m["crashes"] == 0 and m["timeouts"] == 0
+    pool.submit("after", "46", Q)  # the survivor still works, and a trickle does not grow the pool
+    assert pool.gather() == {"after": 1.0}
+    m = pool.metrics()
+    assert m["scale_ups"] == hi - lo and m["workers"] == lo
+    return m
+
+
+@pytest.mark.slow
+def test_process_pool_grows_with_its_queue_and_shrinks_when_idle():
+    with RewardPool(
+        doubles.scripted, backend="process", num_workers=1, max_workers=3, idle_s=0.3, timeout_s=30
+    ) as pool:
+        run_scaling_scenario(pool, burst=6, sleep_s=0.5)
+        survivor = pool.worker_pids()
+        assert len(survivor) == 1
+        # a second burst grows it again, by new processes
+        for k in range(4):
+            pool.submit(k, f"sleep:0.5:{k}", Q)
+        deadline = time.time() + 30
+        while pool.metrics()["workers"] < 3 and time.time() < deadline:
+            time.sleep(0.02)
+        assert len(set(pool.worker_pids()) - set(survivor)) == 2  # two new processes
+        assert pool.gather() == {k: float(k) for k in range(4)}
+        assert pool.metrics()["scale_ups"] == 4
+
+
+@pytest.mark.slow
+def test_process_pool_scaled_workers_fail_like_fixed_ones():
+    """A hung and a dying sample on scaled-up workers: replaced (restarts), never lost."""
+    with RewardPool(
+        doubles.scripted, backend="process", num_workers=1, max_workers=2, idle_s=0.2, timeout_s=1.0
+    ) as pool:
+        pool.submit("hang", "sleep:30:1", Q)
+        pool.submit("exit", "exit", Q)
+        pool.submit("ok", "46", Q)
+        assert pool.gather() == {"hang": 0.0, "exit": 0.0, "ok": 1.0}
+        m = pool.metrics()
+        assert (m["timeouts"], m["crashes"], m["restarts"]) == (1, 1, 2) and m["workers_hwm"] == 2
+        deadline = time.time() + 30
+        while pool.metrics()["workers"] > 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert pool.metrics()["workers"] == 1
+
+
+@pytest.mark.slow
+def test_ray_pool_grows_with_its_queue_and_shrinks_when_idle(ray_session):
+    with RewardPool(
+        doubles.scripted, backend="ray", num_workers=1, max_workers=2, idle_s=0.3, timeout_s=60
+    ) as pool:
+        run_scaling_scenario(pool, burst=4, sleep_s=0.5)
