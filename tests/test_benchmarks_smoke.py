@@ -134,3 +134,19 @@ def test_train_step_tiny(capsys):
     rows = table(out, "speedup", 2)  # s/step, speedup
     assert set(rows) == set(med) and len(rows) == 4, rows
     assert rows["float32"][1] == 1.0 and all(r[0] > 0 for r in rows.values()), rows
+
+
+def test_tail_batching_tiny(capsys):
+    """W1 on the tiny model with the HF engine: sync and tail batching, same trained samples."""
+    pytest.importorskip("transformers")
+    argv = ["--model", "tiny", "--engine", "hf", "--steps", "3", "--prompts", "2", "--n", "2"]
+    results = load("bench_tail_batching").main([*argv, "--cap", "24", "--threads", "1"])
+    out = capsys.readouterr().out
+    # step median, step mean, rollout median, rollout share %, speedup (median), speedup (mean)
+    rows = table(out, "speedup (median)", 6)
+    assert set(rows) == set(results) == {"sync", "tail batching"}, rows
+    assert rows["sync"][4] == rows["sync"][5] == 1.0, rows
+    assert all(r[0] > 0 and r[2] > 0 and 0 < r[3] <= 100 for r in rows.values()), rows
+    tail = results["tail batching"]
+    assert tail["launched"] > 4 and results["sync"]["launched"] == 4  # short rounds over-provision
+    assert "command: python benchmarks/bench_tail_batching.py --model tiny --engine hf" in out

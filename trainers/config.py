@@ -96,6 +96,9 @@ class RolloutConfig:
     # Rollout weights' dtype: "" = model.dtype; "float32" / "bfloat16" / "float16"; "auto" =
     # bfloat16 where its matmuls are fast (CUDA with bf16, CPUs with AMX), else model.dtype.
     dtype: str = ""
+    # W1 long-tail workload: per-request max_tokens ~ "lognormal:MEDIAN:SIGMA" capped at max_tokens,
+    # generated with ignore_eos ("": every request may use max_tokens and stops at EOS)
+    length_dist: str = ""
     prompts_per_request: int = 1  # Ray: prompts per request sent to the least-loaded rollout actor
     gpu_memory_utilization: float = 0.5  # vLLM on GPUs
     max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
@@ -118,6 +121,9 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 0
     micro_batch_size: int = 8
+    # group each rank's rows into micro-batches by response length (long-tail batches pad less;
+    # the gradient is the same sum up to float rounding)
+    sort_by_length: bool = False
     device: str = "cpu"
     # Mixed precision of the torch engine's forward/backward (fp32 master weights and optimizer):
     # "off", "bfloat16", "float16", or "auto" (bfloat16 where it is fast, as rollout.dtype).
@@ -160,7 +166,10 @@ class FilterConfig:
 class TailBatchingConfig:
     """RollPacker tail batching in the synchronous trainer (:class:`rollkit.scheduling.
     TailBatchingPolicy`): short rounds over-provision prompts and responses, prompts that
-    were still running when the quota filled wait for a long round."""
+    were still running when the quota filled wait for a long round. P0 is
+    ``rollout.prompts_per_step``, R0 is ``rollout.n``; ``filter.zero_variance`` drops, rather
+    than queues, deferred prompts whose rewards all agree. Needs a request-level rollout
+    engine in the trainer's process (hf or vllm, not ``ray.enabled``); docs/scheduling.md."""
 
     enabled: bool = False
     eta_prompts: float = 1.25  # a short round launches ceil(eta_prompts * prompts_per_step) prompts
@@ -179,6 +188,9 @@ class AsyncConfig:
     replicate: bool = True  # prompt replication: one request per sample (else one request per prompt)
     num_engines: int = 1  # rollout engines the queue scheduler dispatches to (least loaded first)
     chunk_tokens: int = 16  # hf engine: tokens a request advances per scheduler step
+    # recompute the batch's log-probs under the trainer's weights before the update (the
+    # proximal policy); the rollout's become behavior_logprobs (decoupled PPO / TIS / CISPO / TOPR)
+    recompute_logprobs: bool = True
 
 
 @dataclass
@@ -186,11 +198,26 @@ class RewardConfig:
     """Scoring: a verifier of :data:`trainers.rewards.VERIFIERS` run by a
     :class:`~trainers.rewards.RewardPool` on each sample as soon as it is generated."""
 
-    verifier: str = "exact_match"  # "exact_match" or "math_verify"
+    verifier: str = "exact_match"  # "exact_match", "math_verify" or "llm_judge"
     backend: str = "inline"  # "inline", "process" or "ray"
-    num_workers: int = 2
+    num_workers: int = 2  # with max_workers: the size the pool starts at and never shrinks below
+    max_workers: int = 0  # > 0: the pool grows with its queue up to this many workers (0: fixed size)
+    idle_s: float = 10.0  # with max_workers: a surplus worker idle this long is stopped
     timeout_s: float = 10.0
     cpus_per_worker: float = 0.0  # Ray backend: CPUs each reward actor reserves
+    judge_model: str = ""  # llm_judge: "" = SmolLM2-135M-Instruct, "tiny", or a HF checkpoint directory
+    judge_max_tokens: int = 64  # llm_judge: the most tokens of one judgment
+    judge_invalid_score: float = 0.0  # llm_judge: the reward of a malformed judgment
+
+    def verifier_options(self) -> dict[str, Any]:
+        """Keyword options for :func:`trainers.rewards.get_verifier` (the judge's, for ``llm_judge``)."""
+        if self.verifier != "llm_judge":
+            return {}
+        return {
+            "judge_model": self.judge_model,
+            "max_tokens": self.judge_max_tokens,
+            "invalid_score": self.judge_invalid_score,
+        }
 
 
 @dataclass

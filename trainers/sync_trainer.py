@@ -26,6 +26,7 @@ and on Ray (:mod:`trainers.ray`, ``ray.enabled=true``; docs/distributed.md):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import tempfile
@@ -42,6 +43,7 @@ import torch
 from rollkit.losses import aggregate, global_normalizers
 from rollkit.registry import ADVANTAGE_ESTIMATORS, FILTERS, POLICY_LOSSES, REGULARIZERS
 from rollkit.rewards import RunningRewardNormalizer
+from rollkit.scheduling import EpochSampler, TailBatch, TailBatchingPolicy
 from trainers.config import Config
 from trainers.data import (
     Prompt,
@@ -58,6 +60,7 @@ from trainers.engines.base import (
     iter_generations,
     pack_generations,
 )
+from trainers.lengths import LengthSampler
 from trainers.tracking import Tracker
 
 __all__ = [
@@ -279,6 +282,7 @@ class UpdateSpec:
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # 0: the whole batch
     micro_batch_size: int = 8
+    sort_by_length: bool = False  # micro-batches of similar response lengths (less padding)
 
     @classmethod
     def from_config(cls, cfg: Config) -> UpdateSpec:
@@ -295,6 +299,7 @@ class UpdateSpec:
             ppo_epochs=t.ppo_epochs,
             mini_batch_size=t.mini_batch_size,
             micro_batch_size=t.micro_batch_size,
+            sort_by_length=t.sort_by_length,
         )
 
 
@@ -365,6 +370,8 @@ def ppo_update(
         for m0 in range(0, B, mini):
             rows_m = order[m0 : m0 + mini]
             local = rows_m.tensor_split(world_size)[rank]
+            if spec.sort_by_length:  # same rows, same gradient sum; each micro-batch pads less
+                local = local[torch.argsort(mask[local].sum(-1), stable=True)]
             norms = global_normalizers(mask[local])
             n_micro = math.ceil(math.ceil(len(rows_m) / world_size) / mbs)
             for u in range(n_micro):
@@ -383,7 +390,9 @@ def ppo_update(
                 avail = {
                     "logprobs": lp,
                     "old_logprobs": mb.old_logprobs,
-                    "behavior_logprobs": mb.old_logprobs,
+                    "behavior_logprobs": mb.old_logprobs
+                    if mb.behavior_logprobs is None
+                    else mb.behavior_logprobs,
                     "advantages": advantages[rows_m[:1] if pad else rows],
                     "response_mask": mb.response_mask,
                 }
@@ -521,7 +530,7 @@ class SyncTrainer:
             eval_prompts = ep if eval_prompts is None else eval_prompts
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
         self.reward_fn = reward_fn
-        self.verifier = get_verifier(cfg.reward.verifier)
+        self.verifier = get_verifier(cfg.reward.verifier, **cfg.reward.verifier_options())
         r = cfg.reward
         scorer = (
             self._score
@@ -534,10 +543,29 @@ class SyncTrainer:
             scorer,
             backend=r.backend,
             num_workers=r.num_workers,
+            max_workers=r.max_workers or None,
+            idle_s=r.idle_s,
             timeout_s=r.timeout_s,
             ray_num_cpus=r.cpus_per_worker,
         )
         self.iterator = PromptIterator(train_prompts, seed=cfg.seed)
+        self.lengths = LengthSampler(cfg.rollout.length_dist, cap=cfg.rollout.max_tokens, seed=cfg.seed)
+        self._requests: Any = None  # the request-level view of the rollout engine, when needed
+        # tail_batching.enabled: RollPacker's tail batching drives the rollout (_collect_tail_groups)
+        self.tail: TailBatchingPolicy | None = None
+        self.tail_sampler: EpochSampler | None = None
+        self.last_tail_batch: TailBatch | None = None  # the latest round's batch (prompt ids, round)
+        if cfg.tail_batching.enabled:
+            self._check_request_engine(rollout)
+            self.tail = TailBatchingPolicy(
+                cfg.rollout.prompts_per_step,
+                cfg.rollout.n,
+                eta_prompts=cfg.tail_batching.eta_prompts,
+                eta_responses=cfg.tail_batching.eta_responses,
+                dynamic_sampling=cfg.filter.zero_variance,
+                max_tokens=cfg.rollout.max_tokens,
+            )
+            self.tail_sampler = EpochSampler(len(train_prompts), seed=cfg.seed)
         self._ids: dict[int, list[int]] = {}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.adv_entry = ADVANTAGE_ESTIMATORS.entry(a.advantage)
@@ -583,6 +611,34 @@ class SyncTrainer:
                 )
         rollout_dtype(c, c.train.device)  # rollout.dtype / train.autocast: fail before any engine starts
         train_autocast(c, c.train.device)
+        tb = c.tail_batching
+        if tb.enabled:
+            if c.ray.enabled:
+                raise ValueError(
+                    "tail_batching.enabled: tail batching drives a request-level rollout engine "
+                    "(rollout.engine=hf or vllm in this process); ray.enabled=true uses a Ray rollout "
+                    "group, which has none: set ray.enabled=false or tail_batching.enabled=false"
+                )
+            for name, eta in (
+                ("tail_batching.eta_prompts", tb.eta_prompts),
+                ("tail_batching.eta_responses", tb.eta_responses),
+            ):
+                if not (math.isfinite(eta) and eta >= 1):
+                    raise ValueError(
+                        f"{name} must be a finite number >= 1 (1: no over-provisioning), got {eta}"
+                    )
+
+    def _check_request_engine(self, rollout: Any) -> None:
+        """``tail_batching.enabled`` needs a rollout engine with a request-level view."""
+        from trainers.engines.requests import as_request_engine
+
+        try:
+            as_request_engine(rollout)
+        except TypeError:
+            raise ValueError(
+                f"tail_batching.enabled: tail batching needs a request-level rollout engine (an HF or "
+                f"vLLM rollout engine, or a RequestEngine), got {type(rollout).__name__}"
+            ) from None
 
     # ------------------------------------------------------------------ helpers
 
@@ -601,9 +657,12 @@ class SyncTrainer:
             return self.reward_fn(completion, prompt.answer)
         return self.verifier(completion, prompt)
 
-    def _sampling(self, round_: int) -> SamplingParams:
+    def _sampling(self, round_: int, step: int | None = None) -> SamplingParams:
+        """The sampling parameters of generation round ``round_`` of ``step`` (default: this
+        step); the seed is a function of ``(cfg.seed, step, round_)``."""
         r = self.cfg.rollout
-        seed = (self.cfg.seed * 1_000_003 + self.global_step * 1009 + round_) % (2**31)
+        step = self.global_step if step is None else step
+        seed = (self.cfg.seed * 1_000_003 + step * 1009 + round_) % (2**31)
         return SamplingParams(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, seed=seed
         )
@@ -614,6 +673,8 @@ class SyncTrainer:
         """Stream the generations and submit each to the reward pool as it finishes; gather.
         Returns ``(generations, rewards)`` grouped by prompt (``gens[i * n + j]``: prompt ``i``)."""
         timer = timer or _Timer()
+        if self.lengths.spec:  # per-request length budgets: generate request by request
+            return self._generate_requests_and_score(prompts, params, timer)
         gens: list[Any] = []
         t0, t_submit = time.perf_counter(), 0.0
         for g in iter_generations(self.rollout, [self.encode(p) for p in prompts], params):
@@ -627,6 +688,58 @@ class SyncTrainer:
             scores = self.rewards.gather()
         order = sorted(range(len(gens)), key=lambda k: gens[k].prompt_index)  # stable
         return [gens[k] for k in order], [scores[k] for k in order]
+
+    def request_engine(self) -> Any:
+        """The request-level view of the rollout engine (:func:`trainers.engines.requests.
+        as_request_engine`), built on first use."""
+        if self._requests is None:
+            from trainers.engines.requests import as_request_engine
+
+            self._requests = as_request_engine(
+                self.rollout, chunk_tokens=self.cfg.asynchronous.chunk_tokens, seed=self.cfg.seed
+            )
+        return self._requests
+
+    def _generate_requests_and_score(
+        self, prompts: list[Prompt], params: SamplingParams, timer: _Timer
+    ) -> tuple[list[Any], list[float]]:
+        """:meth:`_generate_and_score` with one request per sample, each with its own
+        ``max_tokens`` from ``rollout.length_dist`` (the W1 workload), through the request
+        engine; every sample is scored the moment it finishes."""
+        from trainers.engines.requests import Request
+
+        eng, n = self.request_engine(), params.n
+        reqs = [
+            Request(
+                f"sync-{self.global_step}-{id(prompts)}-{i}-{j}",
+                self.encode(p),
+                dataclasses.replace(
+                    params,
+                    n=1,
+                    max_tokens=self.lengths.draw(),
+                    ignore_eos=self.lengths.ignore_eos or params.ignore_eos,
+                    seed=None if params.seed is None else params.seed + i * n + j,
+                ),
+                start_version=self.global_step,
+                tag=i * n + j,
+            )
+            for i, p in enumerate(prompts)
+            for j in range(n)
+        ]
+        eng.add(reqs)
+        done: dict[int, Any] = {}
+        t0, t_submit = time.perf_counter(), 0.0
+        while eng.num_running:
+            for r in eng.step():
+                t1 = time.perf_counter()
+                self.rewards.submit(r.tag, self.decode(r.token_ids), prompts[r.tag // n])
+                t_submit += time.perf_counter() - t1
+                done[r.tag] = r.to_generation(r.tag // n)
+        timer.t["rollout"] += time.perf_counter() - t0 - t_submit
+        timer.t["reward"] += t_submit
+        with timer("reward"):
+            scores = self.rewards.gather()
+        return [done[k] for k in range(len(reqs))], [scores[k] for k in range(len(reqs))]
 
     def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         mbs, temp = self.cfg.train.micro_batch_size, self.cfg.rollout.temperature
@@ -645,13 +758,16 @@ class SyncTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self) -> dict[str, float]:
-        """One RL step; returns its metrics."""
-        cfg, a, timer = self.cfg, self.cfg.algorithm, _Timer()
+    def _collect_groups(
+        self, timer: _Timer
+    ) -> tuple[list[tuple[Prompt, list[Any], list[float]]], dict[str, float], list[int]]:
+        """Steps 1-3 of :meth:`step`: ``rollout.n`` samples for each of ``prompts_per_step``
+        prompts, each scored as it finishes; dynamic sampling drops zero-variance groups and
+        refills (at most ``filter.max_rounds`` rounds). Returns ``(groups, metrics, lengths)``:
+        ``(prompt, n generations, n rewards)`` per kept group, the rollout metrics and the
+        length of every generated sample."""
+        cfg = self.cfg
         P, n = cfg.rollout.prompts_per_step, cfg.rollout.n
-        t_start = time.perf_counter()
-
-        # 1-3. Generate n samples per prompt, each scored as it finishes; dynamic sampling refills.
         groups: list[tuple[Prompt, list[Any], list[float]]] = []
         all_rewards, all_lens, rounds = [], [], 0
         acc_by_source: dict[str, list[float]] = defaultdict(list)
@@ -681,60 +797,207 @@ class SyncTrainer:
         }
         for src, rs in acc_by_source.items():
             metrics[f"accuracy/{src}"] = sum(rs) / len(rs)
+        return groups, metrics, all_lens
+
+    def _tail_engine(self) -> Any:
+        """The request engine of a tail-batching round: a fresh request-level view of the
+        rollout engine (:func:`trainers.engines.requests.as_request_engine`) whose sampler is
+        seeded from ``(seed, global_step)``, so that a step depends only on the checkpointed
+        state and a resumed run continues exactly as the original (the views hold no state
+        between rounds: every request of a round ends in it)."""
+        from trainers.engines.requests import as_request_engine
+
+        seed = (self.cfg.seed * 1_000_003 + self.global_step * 1009) % (2**31)
+        return as_request_engine(self.rollout, chunk_tokens=self.cfg.asynchronous.chunk_tokens, seed=seed)
+
+    def _collect_tail_groups(
+        self, timer: _Timer
+    ) -> tuple[list[tuple[Prompt, list[Any], list[float]]], dict[str, float], list[int]]:
+        """Steps 1-3 of :meth:`step` with ``tail_batching.enabled``: one round of RollPacker's
+        tail batching (Gao et al. 2025, arXiv:2509.21009) driven by :attr:`tail`, a
+        :class:`rollkit.scheduling.TailBatchingPolicy` with :math:`P_0` = ``prompts_per_step``
+        and :math:`R_0` = ``rollout.n``.
+
+        The round's plan is launched on the request engine, one :class:`~trainers.engines.
+        requests.Request` per response (a short round: :math:`\\lceil\\eta_P P_0\\rceil` fresh
+        prompts x :math:`\\lceil\\eta_R R_0\\rceil` responses; a long round: :math:`P_0` queued
+        prompts x :math:`R_0`), each with its ``max_tokens`` from ``rollout.length_dist`` (the
+        cap ``rollout.max_tokens`` in both rounds). Every finished response goes to the
+        policy; a kept one is scored at once (the reward pool), the requests the policy names
+        are aborted, and the round ends when :math:`P_0` prompts have :math:`R_0` kept
+        responses. Returns the same ``(groups, metrics, lengths)`` as :meth:`_collect_groups`:
+        the :math:`P_0` completed groups of this one round, in completion order, with their
+        responses in finish order; ``lengths`` counts every generated response, aborted ones
+        included (the engine's tokens, for the throughput). Fresh prompts come from
+        :attr:`tail_sampler` (an :class:`rollkit.scheduling.EpochSampler` over the train
+        prompts, id ``epoch * len(train_prompts) + index``); with ``filter.zero_variance`` a
+        deferred prompt whose finished responses' rewards all agree is dropped, not queued."""
+        from trainers.engines.requests import Request
+
+        policy, eng = self.tail, self._tail_engine()
+        plan = policy.plan_step(self.tail_sampler)
+        base, N = self._sampling(0), len(self.train_prompts)
+        prompt_of = {r.request_id: self.train_prompts[r.prompt_id % N] for r in plan.requests}
+        names = {
+            r.request_id: [f"tail-{r.request_id}-{j}" for j in range(r.num_responses)] for r in plan.requests
+        }
+        reqs = [
+            Request(
+                names[r.request_id][j],
+                self.encode(prompt_of[r.request_id]),
+                dataclasses.replace(
+                    base,
+                    n=1,
+                    max_tokens=self.lengths.draw(),
+                    ignore_eos=self.lengths.ignore_eos or base.ignore_eos,
+                    seed=None if base.seed is None else (base.seed + r.request_id * 1009 + j) % (2**31),
+                ),
+                start_version=self.global_step,
+                tag=(r.request_id, j),
+            )
+            for r in plan.requests
+            for j in range(r.num_responses)
+        ]
+        kept: dict[tuple[int, int], Any] = {}
+        scores: dict[Any, float] = {}
+        lens: list[int] = []
+        t0, t_submit, complete = time.perf_counter(), 0.0, False
+        eng.add(reqs)
+        try:
+            while not complete:
+                if not eng.num_running:
+                    raise RuntimeError(
+                        f"tail batching: every request of step {plan.step} ended but the round is not "
+                        f"complete ({plan.round} round of {len(plan.requests)} prompts)"
+                    )
+                for r in eng.step():
+                    lens.append(len(r.token_ids))
+                    rid, j = r.tag
+                    d = policy.on_response_finished(rid, j)
+                    if d.keep:
+                        t1 = time.perf_counter()
+                        self.rewards.submit(r.tag, self.decode(r.token_ids), prompt_of[rid])
+                        t_submit += time.perf_counter() - t1
+                        kept[r.tag] = r
+                    if d.abort:
+                        lens += [len(a.token_ids) for a in eng.abort([x for k in d.abort for x in names[k]])]
+                    complete = complete or d.round_complete
+                t1 = time.perf_counter()
+                scores.update(self.rewards.poll())
+                t_submit += time.perf_counter() - t1
+        finally:  # the round is over (or failed): nothing of it may keep running
+            lens += [len(a.token_ids) for a in eng.abort([x for v in names.values() for x in v])]
+            if not complete:  # roll the round back: its prompts are launched again next step
+                policy.load_state_dict(policy.state_dict())
+        timer.t["rollout"] += time.perf_counter() - t0 - t_submit
+        timer.t["reward"] += t_submit
+        with timer("reward"):
+            scores.update(self.rewards.gather())
+        by_request: dict[int, list[float]] = defaultdict(list)
+        for key, s in sorted(scores.items(), key=str):
+            if isinstance(key, tuple) and key[0] in prompt_of:  # (request id, response id)
+                by_request[key[0]].append(s)
+        batch = policy.finish_step(by_request if policy.dynamic_sampling else None)
+        self.last_tail_batch = batch
+
+        groups = []
+        for r, resp in zip(batch.requests, batch.responses):
+            gens = [kept[(r.request_id, j)].to_generation(len(groups)) for j in resp]
+            groups.append((prompt_of[r.request_id], gens, [scores[(r.request_id, j)] for j in resp]))
+        rewards = [x for _, _, rs in groups for x in rs]
+        metrics: dict[str, float] = {
+            "reward/mean": sum(rewards) / len(rewards),
+            "response/length_mean": sum(len(g.token_ids) for _, gs, _ in groups for g in gs) / len(rewards),
+            "rollout/rounds": 1,
+            "rollout/kept_groups": len(groups),
+        }
+        acc: dict[str, list[float]] = defaultdict(list)
+        for p, _, rs in groups:
+            acc[p.data_source] += rs
+        metrics.update({f"accuracy/{src}": sum(rs) / len(rs) for src, rs in acc.items()})
+        metrics["tail/round"] = float(batch.round == "long")
+        metrics.update(batch.metrics)
+        metrics.update({f"tail/total_{k}": float(v) for k, v in policy.counts.items()})
+        return groups, metrics, lens
+
+    def step(self) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        timer = _Timer()
+        t_start = time.perf_counter()
+
+        # 1-3. Generate n samples per prompt, each scored as it finishes; dynamic sampling refills
+        # (with tail_batching.enabled: one round of RollPacker's tail batching).
+        collect = self._collect_groups if self.tail is None else self._collect_tail_groups
+        groups, metrics, all_lens = collect(timer)
 
         if groups:
-            # 4. Pack; the rollout's log-probs are the old (behaviour) log-probs.
-            batch = pack_generations([g for _, gs, _ in groups for g in gs], self.pad_id)
-            mask = batch.response_mask
-            group_ids = torch.arange(len(groups)).repeat_interleave(n)
-            rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
-
-            # 5. Optional KL to the frozen initial policy (as a reward penalty or a loss term).
-            ref_lp = None
-            if self.reference is not None:
-                with timer("reference"):
-                    ref_lp = self._ref_logprobs(batch)
-                kl_tok = _call(
-                    REGULARIZERS.entry("kl"),
-                    {"logprobs": batch.old_logprobs, "ref_logprobs": ref_lp, "response_mask": mask},
-                    {"estimator": a.kl.estimator, "coef": 1.0},
-                ).loss
-                metrics["kl/rollout"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
-                if a.kl.mode == "reward":
-                    rewards = rewards - a.kl.coef * kl_tok.sum(-1)
-            if self.normalizer is not None:
-                rewards = self.normalizer.normalize(rewards)
-
-            # 6. Advantages by registry name ([B] outcome advantages broadcast over tokens).
-            adv = _call(
-                self.adv_entry,
-                {"rewards": rewards, "group_ids": group_ids, "response_mask": mask},
-                a.advantage_kwargs,
-            )
-            adv = adv[0] if isinstance(adv, tuple) else adv
-            adv = (adv[:, None] if adv.dim() == 1 else adv) * mask
-            metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
-
-            # 7. The PPO update (ppo_update, on every train rank); a colocated rollout sleeps meanwhile.
-            if self.offload:
-                with timer("offload"):
-                    self.rollout.sleep(cfg.placement.sleep_level)
-            with timer("train"):
-                metrics.update(
-                    self.learner.update(batch, adv, ref_lp, seed=cfg.seed * 7919 + self.global_step)
-                )
-
-            # 8. Wake the rollout and push the new weights to it.
-            with timer("weight_sync"):
-                if self.offload:
-                    self.rollout.wake()
-                self.rollout.update_weights(self.learner.export_weights(), version=self.global_step + 1)
+            self._train_on_groups(groups, metrics, timer)  # 4-7
+            self._push_weights(timer)  # 8
 
         self.global_step += 1
         metrics.update({f"time/{k}": v for k, v in timer.t.items()})
         metrics["time/step"] = time.perf_counter() - t_start
         metrics["throughput/rollout_tokens_per_s"] = sum(all_lens) / max(timer.t["rollout"], 1e-9)
+        metrics.update(self._reward_pool_metrics())
         return metrics
+
+    def _train_on_groups(
+        self, groups: list[tuple[Prompt, list[Any], list[float]]], metrics: dict[str, float], timer: _Timer
+    ) -> None:
+        """Steps 4-7 of :meth:`step` on ``groups`` (``(prompt, n generations, n rewards)``):
+        pack, [reference / KL], advantages, the PPO update. Adds to ``metrics``; shared with
+        :class:`trainers.async_trainer.AsyncTrainer`."""
+        cfg, a, n = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
+        # 4. Pack; the rollout's log-probs are the old (behaviour) log-probs.
+        batch = pack_generations([g for _, gs, _ in groups for g in gs], self.pad_id)
+        self._prepare_batch(batch, timer)
+        mask = batch.response_mask
+        group_ids = torch.arange(len(groups)).repeat_interleave(n)
+        rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
+
+        # 5. Optional KL to the frozen initial policy (as a reward penalty or a loss term).
+        ref_lp = None
+        if self.reference is not None:
+            with timer("reference"):
+                ref_lp = self._ref_logprobs(batch)
+            kl_tok = _call(
+                REGULARIZERS.entry("kl"),
+                {"logprobs": batch.old_logprobs, "ref_logprobs": ref_lp, "response_mask": mask},
+                {"estimator": a.kl.estimator, "coef": 1.0},
+            ).loss
+            metrics["kl/rollout"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
+            if a.kl.mode == "reward":
+                rewards = rewards - a.kl.coef * kl_tok.sum(-1)
+        if self.normalizer is not None:
+            rewards = self.normalizer.normalize(rewards)
+
+        # 6. Advantages by registry name ([B] outcome advantages broadcast over tokens).
+        adv = _call(
+            self.adv_entry,
+            {"rewards": rewards, "group_ids": group_ids, "response_mask": mask},
+            a.advantage_kwargs,
+        )
+        adv = adv[0] if isinstance(adv, tuple) else adv
+        adv = (adv[:, None] if adv.dim() == 1 else adv) * mask
+        metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
+
+        # 7. The PPO update (ppo_update, on every train rank); a colocated rollout sleeps meanwhile.
+        if self.offload:
+            with timer("offload"):
+                self.rollout.sleep(cfg.placement.sleep_level)
+        with timer("train"):
+            metrics.update(self.learner.update(batch, adv, ref_lp, seed=cfg.seed * 7919 + self.global_step))
+
+    def _push_weights(self, timer: _Timer) -> None:
+        """Step 8 of :meth:`step`: wake a colocated rollout and push the new weights to it."""
+        with timer("weight_sync"):
+            if self.offload:
+                self.rollout.wake()
+            self.rollout.update_weights(self.learner.export_weights(), version=self.global_step + 1)
+
+    def _prepare_batch(self, batch: PackedBatch, timer: _Timer) -> None:
+        """A hook before the reference and the update (the async trainer recomputes proximal
+        log-probs here); nothing in the synchronous trainer."""
 
     # ------------------------------------------------------------------ evaluation
 
@@ -769,6 +1032,12 @@ class SyncTrainer:
             "data": self.iterator.state_dict(),
             "normalizer": None if self.normalizer is None else self.normalizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "lengths": self.lengths.state_dict(),
+            # tail batching: the long-prompt queue, counts and the fresh-prompt sampler (a round in
+            # progress is rolled back: its prompts are launched again after a restore)
+            "tail": None
+            if self.tail is None
+            else {"policy": self.tail.state_dict(), "sampler": self.tail_sampler.state_dict()},
         }
 
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
@@ -804,6 +1073,11 @@ class SyncTrainer:
             self.normalizer.load_state_dict(state["normalizer"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if state.get("lengths") is not None:
+            self.lengths.load_state_dict(state["lengths"])
+        if self.tail is not None and state.get("tail") is not None:  # else the queue starts empty
+            self.tail.load_state_dict(state["tail"]["policy"])
+            self.tail_sampler.load_state_dict(state["tail"]["sampler"])
         self.global_step = int(state["global_step"])
         self.rollout.update_weights(self.learner.export_weights(), version=self.global_step)
 
@@ -886,6 +1160,28 @@ class SyncTrainer:
             "notes": tracker.notes,
             "history": tracker.history,
         }
+
+    # ------------------------------------------------------------------ reward pool metrics
+
+    def _reward_pool_metrics(self) -> dict[str, float]:
+        """The reward pool's share of a step, for :meth:`step`'s metrics: ``reward/busy_s``
+        (seconds spent inside the verifier, summed over the workers, since the previous call;
+        it exceeds the wall-clock ``time/reward`` when workers score in parallel),
+        ``reward/workers`` (workers now; 0 inline) and ``reward/workers_hwm``. With an inline
+        verifier that counts its own work (the LLM judge, :mod:`trainers.judge`) its counters
+        are added as ``judge/<name>`` (worker-side counters stay in the workers)."""
+        m = self.rewards.metrics()
+        last_busy = getattr(self, "_reward_busy_last", 0.0)
+        self._reward_busy_last = m["busy_s"]
+        out = {
+            "reward/busy_s": m["busy_s"] - last_busy,
+            "reward/workers": m["workers"],
+            "reward/workers_hwm": m["workers_hwm"],
+        }
+        counts = getattr(self.verifier, "metrics", None)
+        if self.cfg.reward.backend == "inline" and self.reward_fn is None and callable(counts):
+            out.update({f"judge/{k}": float(v) for k, v in counts().items()})
+        return out
 
 
 def supervised_warmup(

@@ -504,3 +504,25 @@ def test_data_parallel_two_gloo_ranks_equal_single_process(tok, prompts, tmp_pat
     for k, v in single.model.state_dict().items():
         assert torch.equal(r0["state"][k], r1["state"][k]), k  # ranks stay in sync
         torch.testing.assert_close(r0["state"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_logprobs_skip_unused_response_columns():
+    """A micro-batch padded to a longer response than its own gives the same log-probs,
+    entropies and gradients as the same rows packed tightly (the padding columns are cut)."""
+    from trainers.engines import TorchTrainEngine, pack
+    from trainers.models import char_tokenizer, tiny_qwen2
+
+    tok = char_tokenizer()
+    model = tiny_qwen2(tok, seed=0)
+    prompts, responses = [[5, 6, 7], [8, 9]], [[10, 11], [12]]
+    tight, wide = pack(prompts, responses, 0), pack(prompts, responses, 0, response_width=9)
+    eng = TorchTrainEngine(model)
+    lp_t, ent_t = eng.logprobs(tight.input_ids, tight.attention_mask, tight.response_mask, with_entropy=True)
+    lp_w, ent_w = eng.logprobs(wide.input_ids, wide.attention_mask, wide.response_mask, with_entropy=True)
+    assert lp_w.shape == (2, 9) and ent_w.shape == (2, 9)
+    assert torch.equal(lp_w[:, :2], lp_t) and torch.equal(ent_w[:, :2], ent_t)
+    assert not lp_w[:, 2:].any() and not ent_w[:, 2:].any()
+    g_t = torch.autograd.grad(lp_t.sum(), list(model.parameters()))
+    lp_w = eng.logprobs(wide.input_ids, wide.attention_mask, wide.response_mask)
+    g_w = torch.autograd.grad(lp_w.sum(), list(model.parameters()))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_t, g_w))

@@ -19,6 +19,7 @@ from _tiny_rl import RL_OVERRIDES
 
 from trainers.config import load_config
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
+from trainers.lengths import LengthSampler
 from trainers.models import char_tokenizer, tiny_qwen2
 from trainers.sync_trainer import SyncTrainer, supervised_warmup
 from trainers.tracking import read_metrics
@@ -298,3 +299,55 @@ def test_rewards_go_through_the_pool_and_bad_roles_are_rejected(tmp_path):
     ):
         with pytest.raises(ValueError, match=match):
             make(tmp_path, arg)
+
+
+def test_length_distribution_runs_request_by_request(tmp_path):
+    """W1: every sample gets its own max_tokens (log-normal, capped) and runs to it (ignore_eos),
+    through the request-level engine; the step trains on all of them."""
+    tr = make(
+        tmp_path,
+        "rollout.prompts_per_step=3",
+        "rollout.n=4",
+        "rollout.max_tokens=40",
+        "rollout.length_dist=lognormal:4:1.0",
+        "train.micro_batch_size=6",
+    )
+    sampler = LengthSampler("lognormal:4:1.0", cap=40, seed=0)
+    expected = [sampler.draw() for _ in range(12)]
+    m = tr.step()
+    assert m["response/length_mean"] == sum(expected) / 12
+    assert "optim/grad_norm" in m and tr.rollout.policy_version == 1
+    assert max(expected) > 2 * sorted(expected)[6]  # a tail
+    with pytest.raises(ValueError, match="length_dist"):
+        make(tmp_path, "rollout.length_dist=normal:3", name="bad")
+
+
+def test_sort_by_length_gives_the_same_update():
+    """train.sort_by_length regroups rows into micro-batches by response length: the same
+    rows and global normalisers, so the same gradient sum (to float rounding)."""
+    import dataclasses
+
+    from trainers.engines import SamplingParams, pack_generations
+    from trainers.sync_trainer import UpdateSpec, ppo_update
+
+    tok = char_tokenizer()
+    model = tiny_qwen2(tok, seed=0)
+    prompts = [tok(f"{a}+{a + 2}=").input_ids for a in range(5)]
+    gens = HFRolloutEngine(copy.deepcopy(model), tok).generate(
+        prompts,
+        SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=3, stop_token_ids=tuple(range(3, 30))),
+    )
+    batch = pack_generations(gens, tok.pad_token_id)
+    assert len(set(batch.response_mask.sum(-1).tolist())) > 3  # lengths vary
+    adv = torch.linspace(-1, 1, len(gens))[:, None] * batch.response_mask
+    spec = UpdateSpec(micro_batch_size=3, aggregation="seq-mean-token-mean")
+    copies = [copy.deepcopy(model) for _ in range(2)]  # SGD: the weight change is the gradient
+    engines = [TorchTrainEngine(m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0)) for m in copies]
+    m0 = ppo_update(engines[0], batch, adv, spec, seed=1).metrics()
+    m1 = ppo_update(engines[1], batch, adv, dataclasses.replace(spec, sort_by_length=True), seed=1).metrics()
+    assert m0.keys() == m1.keys()
+    for (_, a), (_, b) in zip(engines[0].export_weights(), engines[1].export_weights()):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert any(
+        not torch.equal(a, b) for (_, a), (_, b) in zip(engines[0].export_weights(), model.named_parameters())
+    )

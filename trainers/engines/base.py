@@ -196,6 +196,10 @@ class PackedBatch:
     """Prompts and responses in the layout of the module docstring (all tensors on CPU).
 
     ``old_logprobs`` and ``prompt_index`` are filled by :func:`pack_generations`.
+    ``behavior_logprobs`` is set when the policy that sampled the tokens differs from the
+    one the PPO ratio is taken against (asynchronous training with recomputed proximal
+    log-probs, :mod:`trainers.async_trainer`): then ``old_logprobs`` are the proximal policy's
+    and ``behavior_logprobs`` the rollout's; ``None`` means they are the same.
     """
 
     input_ids: Tensor  # [B, P + T] long
@@ -204,6 +208,7 @@ class PackedBatch:
     prompt_len: int  # P
     old_logprobs: Tensor | None = None  # [B, T] float32, 0 outside the response
     prompt_index: Tensor | None = None  # [B] long
+    behavior_logprobs: Tensor | None = None  # [B, T] float32; None: the same as old_logprobs
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -219,6 +224,7 @@ class PackedBatch:
             prompt_len=self.prompt_len,
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[rows],
             prompt_index=None if self.prompt_index is None else self.prompt_index[rows],
+            behavior_logprobs=None if self.behavior_logprobs is None else self.behavior_logprobs[rows],
         )
 
 

@@ -180,18 +180,23 @@ def _continuation_seed(req: Request) -> int | None:
 class VLLMRequestEngine:
     """:class:`RequestEngine` over a :class:`~trainers.engines.vllm_rollout.VLLMRolloutEngine`.
 
-    Each request is one vLLM request (``n=1``, the request's seed; a continued request gets a
-    derived seed) whose output is streamed as deltas (``RequestOutputKind.DELTA``), so the
+    Each request is one vLLM request (``n=1``, the request's seed, a continued request a
+    derived seed; on CPU unseeded, see ``seeded``) whose output is streamed as deltas (``RequestOutputKind.DELTA``), so the
     tokens and log-probs of an aborted request are kept. :meth:`step` is one
     ``LLMEngine.step()``: vLLM schedules every running request (continuous batching, chunked
     prefill). Use the rollout engine only through this object while requests run.
     """
 
     def __init__(self, engine: Any) -> None:
+        from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
 
         self.engine = engine
         self._delta = RequestOutputKind.DELTA
+        # vLLM rewinds a seeded request's generator when it splits a prefill over several steps
+        # (many requests, or long continued ones), which the CPU generator cannot do ("CPU
+        # Generator does not use offset"): on CPU, requests are sampled unseeded.
+        self.seeded = not current_platform.is_cpu()
         self._running: dict[str, tuple[Request, str]] = {}  # request_id -> (request, vLLM internal id)
 
     @property
@@ -212,6 +217,8 @@ class VLLMRequestEngine:
         for r in requests:
             p = dataclasses.replace(r.params, n=1, max_tokens=r.remaining, seed=_continuation_seed(r))
             vp = self.engine._vllm_params(p)
+            if not self.seeded:
+                vp.seed = None
             vp.output_kind = self._delta
             prompt = {"prompt_token_ids": [int(t) for t in r.prompt_ids] + [int(t) for t in r.token_ids]}
             internal = core.add_request(r.request_id, prompt, vp)

@@ -132,7 +132,9 @@ def response_logprobs(
 
     ``logprobs[b, t] = log_softmax(logits[b, L - T - 1 + t] / temperature)[input_ids[b, L - T + t]]``;
     the logits come from :func:`response_logits` on ``model`` (a module, or a DeepSpeed
-    engine), under ``torch.autocast(autocast)`` when ``autocast`` is a dtype.
+    engine), under ``torch.autocast(autocast)`` when ``autocast`` is a dtype. Response columns
+    past the longest response of these rows are not computed (long-tail batches are padded
+    to the batch's longest response; a micro-batch of short ones costs only their length).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -144,6 +146,27 @@ def response_logprobs(
             "(the response is the last T columns, after at least one prompt token)"
         )
     dev = torch.device(device)
+    # Trailing response columns that no row uses (the batch was padded to a longer response
+    # than this micro-batch's longest) are cut before the forward and restored as zeros: the
+    # other positions do not attend to them (causal), so nothing else changes.
+    used = response_mask.any(0).nonzero()
+    T_used = int(used[-1]) + 1 if len(used) else 1
+    if T_used < T:
+        out = response_logprobs(
+            model,
+            input_ids[:, : L - T + T_used],
+            attention_mask[:, : L - T + T_used],
+            response_mask[:, :T_used],
+            temperature=temperature,
+            with_entropy=with_entropy,
+            share_prompts=share_prompts,
+            autocast=autocast,
+            device=device,
+        )
+        pad = (0, T - T_used)
+        if with_entropy:
+            return torch.nn.functional.pad(out[0], pad), torch.nn.functional.pad(out[1], pad)
+        return torch.nn.functional.pad(out, pad)
     input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
     mask = response_mask.to(dev, dtype=torch.bool)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
