@@ -1,0 +1,260 @@
+"""Benchmark W1 (long-tail RLVR rollout): synchronous vs queue scheduling vs extra prompts vs async.
+
+The workload of ``shared/BENCHMARKS.md`` W1: a real model generates through a real engine with
+``ignore_eos`` and a per-request ``max_tokens`` drawn from a log-normal distribution clipped
+to a cap (``rollout.length_dist``, :mod:`trainers.lengths`); rewards are the cheap exact-match
+check of the addition task; the training step is the real loss and backward. Every mode trains
+the same number of samples per step (``--prompts`` x ``--n``) with the same engines in this
+process (one rollout engine, one training engine, the machine's cores):
+
+* ``sync``: :class:`~trainers.sync_trainer.SyncTrainer` (generate the batch, wait for its
+  longest response, train, push weights);
+* ``queue``: :class:`~trainers.async_trainer.AsyncTrainer` with ``ratio=0``: per-sample requests,
+  rewards as each finishes, still synchronous (ROLL Flash's queue scheduling alone);
+* ``queue+extra``: ``ratio=0`` and ``--extra`` more prompts running: the first groups to finish
+  are trained, the tail is aborted;
+* ``async a=K``: ``ratio=K``: generation goes on while the trainer trains, on samples started
+  at most ``K`` versions ago.
+
+After a discarded two-step warm-up of the synchronous trainer (kernels for new shapes are built
+on first use), the modes run in order and then in reverse order, each with ``--warmup`` steps
+then ``--steps`` measured steps; the table has, over both passes, the median
+seconds per step, the share of the step spent generating (sync: ``time/rollout``) or waiting
+for a batch (async: ``time/wait``), the mean staleness, and the speed-up against ``sync``.
+
+    python benchmarks/bench_async.py                         # SmolLM2-135M on vLLM (the reported run)
+    python benchmarks/bench_async.py --model tiny --engine hf --cap 48 --steps 2   # smoke run
+    python benchmarks/bench_async.py --learning              # learning preserved: sync vs a=2, 3 seeds
+
+``--learning`` runs the tiny-model task of the tests (1-digit addition after a supervised
+warm-up) with the synchronous trainer and with ``ratio=2``, the same number of trained samples,
+over ``--seeds`` seeds, and prints held-out accuracy before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+try:
+    import trainers  # noqa: F401
+except ImportError:  # run as a script from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+MODES = ("sync", "queue", "queue+extra", "async a=1", "async a=2", "async a=4")
+
+
+def mode_overrides(mode: str, extra: int) -> list[str]:
+    if mode == "sync":
+        return []
+    if mode == "queue":
+        return ["asynchronous.ratio=0"]
+    if mode == "queue+extra":
+        return ["asynchronous.ratio=0", f"asynchronous.extra_prompts={extra}"]
+    if mode.startswith("async a="):
+        return [f"asynchronous.ratio={mode.split('=')[1]}"]
+    raise ValueError(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
+
+
+def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="", help="HF checkpoint dir; '' = SmolLM2 (default); 'tiny'")
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--median", type=float, default=16.0, help="median max_tokens")
+    ap.add_argument("--sigma", type=float, default=1.5, help="log-normal sigma")
+    ap.add_argument("--cap", type=int, default=512, help="the most tokens of a response")
+    ap.add_argument("--extra", type=int, default=8, help="extra prompts of queue+extra")
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per mode")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    ap.add_argument("--learning", action="store_true", help="run the learning comparison instead")
+    ap.add_argument("--seeds", type=int, default=3, help="--learning: seeds")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
+    if args.learning:
+        return learning(args.seeds)
+
+    from trainers.async_trainer import AsyncTrainer
+    from trainers.config import load_config
+    from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
+    from trainers.sync_trainer import SyncTrainer, make_rollout_engine, make_train_engine
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        mode_overrides(m, args.extra)
+    if args.model == "tiny":
+        tok = char_tokenizer()
+        model = tiny_qwen2(tok, seed=0, hidden_size=64, heads=2, kv_heads=1)
+    else:
+        model, tok = load_model(args.model or default_model_path())
+    log_dir = tempfile.mkdtemp(prefix="rollkit-bench-async-")
+    base = [
+        f"rollout.engine={args.engine}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.n={args.n}",
+        f"rollout.max_tokens={args.cap}",
+        f"rollout.length_dist=lognormal:{args.median}:{args.sigma}",
+        f"rollout.max_model_len={args.cap + 128}",
+        "rollout.temperature=1.0",
+        "rollout.dtype=auto",
+        "train.autocast=auto",
+        "train.sort_by_length=true",
+        "train.micro_batch_size=8",
+        "train.lr=1e-6",
+        "data.digits=2",
+        "eval.before=false",
+        "eval.every=0",
+        "logging.progress=false",
+        f"logging.dir={log_dir}",
+    ]
+    cfg0 = load_config(base)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = make_rollout_engine(cfg0, copy.deepcopy(model), tok, device="cpu")
+    rows: dict[str, dict[str, float]] = {}
+    print(
+        f"W1: {args.prompts} prompts x {args.n} samples per step, max_tokens ~ lognormal(median "
+        f"{args.median:g}, sigma {args.sigma:g}) capped at {args.cap}, ignore_eos; engine {args.engine}; "
+        f"{torch.get_num_threads()} threads; {args.warmup} warm-up + {args.steps} measured steps per mode",
+        flush=True,
+    )
+    results: dict[str, dict[str, list[float]]] = {
+        m: {"t": [], "share": [], "stale": [], "len": []} for m in modes
+    }
+
+    def run(mode: str, steps: int, warmup: int) -> None:
+        cls = SyncTrainer if mode == "sync" else AsyncTrainer
+        cfg = load_config([*base, *mode_overrides(mode, args.extra)])
+        engine.update_weights(init.items(), version=0)
+        m = copy.deepcopy(model)
+        m.load_state_dict(init)
+        train = make_train_engine(cfg, m, device="cpu")
+        res = results.get(mode)
+        with cls(cfg, rollout=engine, train=train, tokenizer=tok) as tr:
+            for k in range(warmup + steps):
+                met = tr.step()
+                if k < warmup or res is None:
+                    continue
+                res["t"].append(met["time/step"])
+                res["share"].append(
+                    (met.get("time/rollout", 0.0) + met.get("time/wait", 0.0)) / met["time/step"]
+                )
+                res["stale"].append(met.get("staleness/mean", 0.0))
+                res["len"].append(met["response/length_mean"])
+        if res is not None:
+            print(f"  {mode:<12} {statistics.median(res['t'][-steps:]):.2f} s/step", flush=True)
+
+    # Kernels for new shapes are built on first use (oneDNN): one sync run warms them for all
+    # modes; then the modes run in order and again in reverse, to even out any drift.
+    results_bak, results = results, {}
+    run("sync", 0, 2)
+    results = results_bak
+    for order in (modes, modes[::-1]):
+        for mode in order:
+            run(mode, args.steps, args.warmup)
+    for mode in modes:
+        r = results[mode]
+        rows[mode] = {
+            "s_per_step": statistics.median(r["t"]),
+            "gen_share": statistics.median(r["share"]),
+            "staleness": statistics.mean(r["stale"]),
+            "len_mean": statistics.mean(r["len"]),
+        }
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
+    ref = rows.get("sync", next(iter(rows.values())))["s_per_step"]
+    print()
+    print(
+        "| mode | s/step (median) | generating / waiting share | staleness (mean) | trained length (mean) | speed-up vs sync |"
+    )
+    print("|---|---|---|---|---|---|")
+    for mode, r in rows.items():
+        print(
+            f"| {mode} | {r['s_per_step']:.2f} | {r['gen_share']:.0%} | {r['staleness']:.2f} | "
+            f"{r['len_mean']:.1f} | {ref / r['s_per_step']:.2f}x |"
+        )
+    return rows
+
+
+def learning(seeds: int) -> dict[str, dict[str, float]]:
+    """Held-out accuracy of the tiny-model task after the same trained samples: sync vs a=2."""
+    from trainers.async_trainer import AsyncTrainer
+    from trainers.config import load_config
+    from trainers.engines import HFRolloutEngine, TorchTrainEngine
+    from trainers.models import char_tokenizer, tiny_qwen2
+    from trainers.sync_trainer import SyncTrainer, supervised_warmup
+
+    rl = [
+        "--model",
+        "tiny",
+        "data.digits=1",
+        "data.eval_size=30",
+        "eval.every=0",
+        "eval.before=true",
+        "train.lr=5e-4",
+        "train.steps=25",
+        "rollout.prompts_per_step=8",
+        "rollout.n=8",
+        "rollout.temperature=1.0",
+        "rollout.max_tokens=4",
+        "eval.max_tokens=4",
+        "train.micro_batch_size=64",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+    ]
+    tok = char_tokenizer()
+    out: dict[str, dict[str, float]] = {}
+    print(
+        "Learning preserved: 1-digit addition, tiny Qwen2 after 100 supervised steps; 25 RL steps x 64 samples"
+    )
+    print()
+    print("| seed | before | sync after | async a=2 after | a=2 staleness (mean) |")
+    print("|---|---|---|---|---|")
+    for seed in range(seeds):
+        res = {}
+        for name, cls, extra in (("sync", SyncTrainer, []), ("a=2", AsyncTrainer, ["asynchronous.ratio=2"])):
+            cfg = load_config([*rl, f"seed={seed}", f"logging.dir={tempfile.mkdtemp()}", *extra])
+            model = tiny_qwen2(tok, seed=seed)
+            warm = TorchTrainEngine(model, lr=3e-3)
+            with SyncTrainer(
+                cfg, rollout=HFRolloutEngine(copy.deepcopy(model), tok), train=warm, tokenizer=tok
+            ) as w:
+                supervised_warmup(w.train, tok, w.train_prompts, steps=100, batch_size=64, seed=seed)
+            train = TorchTrainEngine(model, lr=cfg.train.lr)
+            with cls(
+                cfg, rollout=HFRolloutEngine(copy.deepcopy(model), tok), train=train, tokenizer=tok
+            ) as tr:
+                t0 = time.perf_counter()
+                r = tr.fit()
+                stale = [h.get("staleness/mean", 0.0) for h in r["history"] if "staleness/mean" in h]
+                res[name] = (r["accuracy_before"], r["accuracy_after"], time.perf_counter() - t0, stale)
+        out[str(seed)] = {"before": res["sync"][0], "sync": res["sync"][1], "a=2": res["a=2"][1]}
+        st = res["a=2"][3]
+        print(
+            f"| {seed} | {res['sync'][0]:.3f} | {res['sync'][1]:.3f} | {res['a=2'][1]:.3f} | "
+            f"{(sum(st) / len(st)) if st else 0:.2f} |",
+            flush=True,
+        )
+    s = [v["sync"] for v in out.values()]
+    a = [v["a=2"] for v in out.values()]
+    print(f"| mean | | {statistics.mean(s):.3f} | {statistics.mean(a):.3f} | |")
+    return out
+
+
+if __name__ == "__main__":
+    w1()
