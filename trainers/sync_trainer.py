@@ -700,26 +700,48 @@ class SyncTrainer:
             )
         return self._requests
 
+    def _request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed_offset: int,
+        *,
+        start_version: int,
+        tag: Any,
+    ) -> Any:
+        """One single-sample :class:`~trainers.engines.requests.Request` with its own length
+        budget (``rollout.length_dist``) and the seed ``params.seed + seed_offset`` (mod 2^31)."""
+        from trainers.engines.requests import Request
+
+        return Request(
+            request_id,
+            prompt_ids,
+            dataclasses.replace(
+                params,
+                n=1,
+                max_tokens=self.lengths.draw(),
+                ignore_eos=self.lengths.ignore_eos or params.ignore_eos,
+                seed=None if params.seed is None else (params.seed + seed_offset) % (2**31),
+            ),
+            start_version=start_version,
+            tag=tag,
+        )
+
     def _generate_requests_and_score(
         self, prompts: list[Prompt], params: SamplingParams, timer: _Timer
     ) -> tuple[list[Any], list[float]]:
         """:meth:`_generate_and_score` with one request per sample, each with its own
         ``max_tokens`` from ``rollout.length_dist`` (the W1 workload), through the request
         engine; every sample is scored the moment it finishes."""
-        from trainers.engines.requests import Request
 
         eng, n = self.request_engine(), params.n
         reqs = [
-            Request(
+            self._request(
                 f"sync-{self.global_step}-{id(prompts)}-{i}-{j}",
                 self.encode(p),
-                dataclasses.replace(
-                    params,
-                    n=1,
-                    max_tokens=self.lengths.draw(),
-                    ignore_eos=self.lengths.ignore_eos or params.ignore_eos,
-                    seed=None if params.seed is None else params.seed + i * n + j,
-                ),
+                params,
+                i * n + j,
                 start_version=self.global_step,
                 tag=i * n + j,
             )
@@ -832,7 +854,6 @@ class SyncTrainer:
         :attr:`tail_sampler` (an :class:`rollkit.scheduling.EpochSampler` over the train
         prompts, id ``epoch * len(train_prompts) + index``); with ``filter.zero_variance`` a
         deferred prompt whose finished responses' rewards all agree is dropped, not queued."""
-        from trainers.engines.requests import Request
 
         policy, eng = self.tail, self._tail_engine()
         plan = policy.plan_step(self.tail_sampler)
@@ -842,16 +863,11 @@ class SyncTrainer:
             r.request_id: [f"tail-{r.request_id}-{j}" for j in range(r.num_responses)] for r in plan.requests
         }
         reqs = [
-            Request(
+            self._request(
                 names[r.request_id][j],
                 self.encode(prompt_of[r.request_id]),
-                dataclasses.replace(
-                    base,
-                    n=1,
-                    max_tokens=self.lengths.draw(),
-                    ignore_eos=self.lengths.ignore_eos or base.ignore_eos,
-                    seed=None if base.seed is None else (base.seed + r.request_id * 1009 + j) % (2**31),
-                ),
+                base,
+                r.request_id * 1009 + j,
                 start_version=self.global_step,
                 tag=(r.request_id, j),
             )
@@ -1164,7 +1180,7 @@ class SyncTrainer:
     # ------------------------------------------------------------------ reward pool metrics
 
     def _reward_pool_metrics(self) -> dict[str, float]:
-        """The reward pool's share of a step, for :meth:`step`'s metrics: ``reward/busy_s``
+        """The reward pool's share of a step, for :meth:`step`'s metrics: ``time/reward_busy``
         (seconds spent inside the verifier, summed over the workers, since the previous call;
         it exceeds the wall-clock ``time/reward`` when workers score in parallel),
         ``reward/workers`` (workers now; 0 inline) and ``reward/workers_hwm``. With an inline
@@ -1174,7 +1190,7 @@ class SyncTrainer:
         last_busy = getattr(self, "_reward_busy_last", 0.0)
         self._reward_busy_last = m["busy_s"]
         out = {
-            "reward/busy_s": m["busy_s"] - last_busy,
+            "time/reward_busy": m["busy_s"] - last_busy,
             "reward/workers": m["workers"],
             "reward/workers_hwm": m["workers_hwm"],
         }

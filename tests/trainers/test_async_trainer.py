@@ -59,7 +59,7 @@ def test_ratio_zero_reproduces_the_sync_trainer(tmp_path):
     """async ratio 0 trains on exactly the synchronous trainer's samples: same rewards and
     lengths every step, bit-identical weights after 4 steps."""
     sync = make(SyncTrainer, tmp_path)
-    with make(AsyncTrainer, tmp_path, "asynchronous.ratio=0", "asynchronous.recompute_logprobs=false") as tr:
+    with make(AsyncTrainer, tmp_path, "asynchronous.ratio=0") as tr:
         for _ in range(4):
             ms, ma = sync.step(), tr.step()
             assert (ms["reward/mean"], ms["response/length_mean"]) == (
@@ -86,14 +86,28 @@ def check_freshness(tr, steps, ratio):
 def test_async_ratio_bounds_staleness_and_in_flight_protocol(tmp_path, mode):
     """alpha = 2: every trained group started at most 2 versions ago; at each update the
     running requests are stopped and resubmitted (keep: continuing with their tokens, so some
-    trained samples span two policy versions; abort: started again, never resumed)."""
+    trained samples span two policy versions; abort: started again, never resumed).
+
+    Generation is made slower than training (4 tokens per engine step, 20 ms added to each
+    step of the real engine), so that requests are running at every update."""
+    import time
+
     with make(
         AsyncTrainer,
         tmp_path,
         "asynchronous.ratio=2",
-        "rollout.length_dist=lognormal:6:1.5",
+        "asynchronous.chunk_tokens=4",
+        "rollout.length_dist=lognormal:12:1.0",
         f"asynchronous.in_flight={mode}",
     ) as tr:
+        (eng,) = tr.engines
+        step = eng.step
+
+        def slow_step():
+            time.sleep(0.02)
+            return step()
+
+        eng.step = slow_step
         resumed = stopped = 0
         for _ in range(6):
             m = check_freshness(tr, 1, 2)
@@ -101,9 +115,9 @@ def test_async_ratio_bounds_staleness_and_in_flight_protocol(tmp_path, mode):
             stopped += m["async/stopped_in_flight"]
         assert stopped > 0 and tr.rollout.policy_version == 6
         if mode == "keep":
-            assert resumed > 0 and m["async/resubmitted"] > 0
+            assert resumed > 0 and m["async/resubmitted"] > 0 and m["async/restarted"] == 0
         else:
-            assert resumed == 0 and m["async/restarted"] > 0
+            assert resumed == 0 and m["async/restarted"] > 0 and m["async/resubmitted"] == 0
 
 
 def test_over_provisioning_aborts_the_tail(tmp_path):
@@ -149,25 +163,41 @@ def test_requests_are_spread_over_engines_and_filtering_refills(tmp_path):
 
 
 def test_recomputed_proximal_logprobs_feed_the_off_policy_loss(tmp_path):
-    """With recompute_logprobs the loss sees behavior_logprobs (the rollout's) apart from
-    old_logprobs (the trainer's): decoupled PPO runs and learns nothing unexpected."""
+    """A batch with tokens of an older policy gets old_logprobs recomputed by the trainer and
+    the rollout's as behavior_logprobs (decoupled PPO uses both); an on-policy batch keeps the
+    rollout's, like the synchronous trainer."""
     with make(AsyncTrainer, tmp_path, "asynchronous.ratio=1", "algorithm.policy_loss=decoupled-ppo") as tr:
-        seen = {}
+        seen = []
         orig = tr._prepare_batch
 
         def spy(batch, timer):
             orig(batch, timer)
-            seen["batch"] = batch
+            seen.append(batch.behavior_logprobs is not None)
 
         tr._prepare_batch = spy
-        m = check_freshness(tr, 2, 1)
-        b = seen["batch"]
-        assert b.behavior_logprobs is not None and b.old_logprobs.shape == b.behavior_logprobs.shape
-        assert torch.isfinite(torch.tensor(m["optim/grad_norm"]))
+        stale = []
+        for _ in range(4):
+            m = check_freshness(tr, 1, 1)
+            stale.append(m["async/stale_token_frac"] > 0)
+            assert ("time/recompute" in m) == stale[-1]
+            assert torch.isfinite(torch.tensor(m["optim/grad_norm"]))
+        assert seen == stale and any(stale)
 
 
-def test_evaluate_and_fit_while_generating(tmp_path):
-    with make(AsyncTrainer, tmp_path, "asynchronous.ratio=1", "eval.every=2", "train.steps=3") as tr:
+@pytest.mark.parametrize("backend", ["inline", pytest.param("process", marks=pytest.mark.slow)])
+def test_evaluate_and_fit_while_generating(tmp_path, backend):
+    """Evaluation suspends the producer; scores of its samples that arrive meanwhile are not
+    taken by the evaluation's gather (with worker processes they arrive late)."""
+    with make(
+        AsyncTrainer,
+        tmp_path,
+        "asynchronous.ratio=1",
+        "eval.every=1",
+        "train.steps=3",
+        f"reward.backend={backend}",
+        "checkpoint.every=2",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    ) as tr:
         out = tr.fit()
         assert out["steps"] == 3 and 0 <= out["accuracy_after"] <= 1
         assert tr.scheduler._thread is None  # fit stops the producer
@@ -183,3 +213,36 @@ def test_bad_config(tmp_path):
     ]:
         with pytest.raises(ValueError, match=match):
             make(AsyncTrainer, tmp_path, bad)
+
+
+@pytest.mark.slow
+def test_recipe_switch(tmp_path):
+    """`python recipes/rlvr_qwen.py asynchronous.enabled=true` trains with the async trainer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable,
+        str(root / "recipes" / "rlvr_qwen.py"),
+        *BASE[:2],
+        "data.digits=1",
+        "data.eval_size=10",
+        "train.steps=2",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "asynchronous.enabled=true",
+        "asynchronous.ratio=1",
+        f"logging.dir={tmp_path}",
+    ]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "async ratio 1" in out.stdout and "[step    2/2]" in out.stdout
+
+
+def test_warns_when_the_loss_ignores_staleness(tmp_path):
+    with pytest.warns(UserWarning, match="ignores behavior_logprobs.*decoupled-ppo"):
+        make(AsyncTrainer, tmp_path, "asynchronous.ratio=1").close()

@@ -38,7 +38,7 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
 
-__all__ = ["HFRolloutEngine", "process_logits"]
+__all__ = ["HFRolloutEngine", "process_logits", "sample_tokens"]
 
 
 def process_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Tensor:
@@ -63,6 +63,27 @@ def process_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p: f
         remove[..., 0] = False
         x = x.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
     return torch.log_softmax(x, dim=-1)
+
+
+def sample_tokens(
+    logits: Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator,
+    inactive: Tensor,
+    pad: int,
+) -> tuple[Tensor, Tensor]:
+    """One decoding step for ``[N, V]`` logits: the ``[N]`` sampled tokens (greedy when
+    ``temperature == 0``; ``pad`` where ``inactive``) and their ``[N]`` processed log-probs
+    (:func:`process_logits`)."""
+    logp = process_logits(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        tok = logp.argmax(-1)
+    else:
+        tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    tok = torch.where(inactive, pad, tok)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class HFRolloutEngine:
@@ -204,14 +225,10 @@ class HFRolloutEngine:
         emitted: set[int] = set()  # rows already yielded (they finished before the last step)
         pos = pos[:, -1:]
         for t in range(M):
-            logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
-            if params.temperature == 0:
-                tok = logp.argmax(-1)
-            else:
-                tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-            tok = torch.where(done, self.pad_token_id, tok)
-            tokens[:, t] = tok
-            lps[:, t] = logp.gather(-1, tok[:, None]).squeeze(-1)
+            tok, tok_lp = sample_tokens(
+                logits, params.temperature, params.top_k, params.top_p, gen, done, self.pad_token_id
+            )
+            tokens[:, t], lps[:, t] = tok, tok_lp
             hit = torch.isin(tok, stop) & ~done
             length = torch.where(hit, t + 1, length)
             done |= hit

@@ -174,10 +174,40 @@ def _continuation_seed(req: Request) -> int | None:
     return (s + 1_000_003 * len(req.token_ids)) % (2**62)
 
 
+class _RequestEngineBase:
+    """What both request engines share: the running requests, the checks of ``add``, the
+    version and the weight-update guard."""
+
+    engine: Any
+    _running: dict[str, Any]
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def _check_add(self, requests: Sequence[Request]) -> None:
+        held = set(self._running)
+        for r in requests:
+            _check_new(r, held)
+            held.add(r.request_id)
+
+    def _ids_to_abort(self, request_ids: Iterable[str] | None) -> list[str]:
+        return list(self._running) if request_ids is None else [i for i in request_ids if i in self._running]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        if self._running:
+            raise RuntimeError(f"update_weights: {len(self._running)} requests are running; abort them first")
+        self.engine.update_weights(named_tensors, version)
+
+
 # --------------------------------------------------------------------------- vLLM
 
 
-class VLLMRequestEngine:
+class VLLMRequestEngine(_RequestEngineBase):
     """:class:`RequestEngine` over a :class:`~trainers.engines.vllm_rollout.VLLMRolloutEngine`.
 
     Each request is one vLLM request (``n=1``, the request's seed, a continued request a
@@ -199,19 +229,8 @@ class VLLMRequestEngine:
         self.seeded = not current_platform.is_cpu()
         self._running: dict[str, tuple[Request, str]] = {}  # request_id -> (request, vLLM internal id)
 
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
     def add(self, requests: Sequence[Request]) -> None:
-        held = set(self._running)
-        for r in requests:
-            _check_new(r, held)
-            held.add(r.request_id)
+        self._check_add(requests)
         self.engine._check_can_generate([r.prompt_ids for r in requests])
         core = self.engine.llm.llm_engine
         for r in requests:
@@ -251,23 +270,18 @@ class VLLMRequestEngine:
         return done
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
-        ids = list(self._running) if request_ids is None else [i for i in request_ids if i in self._running]
+        ids = self._ids_to_abort(request_ids)
         if not ids:
             return []
         out = [self._running.pop(i) for i in ids]
         self.engine.llm.llm_engine.abort_request([internal for _, internal in out], internal=True)
         return [r for r, _ in out]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        if self._running:
-            raise RuntimeError(f"update_weights: {len(self._running)} requests are running; abort them first")
-        self.engine.update_weights(named_tensors, version)
-
 
 # --------------------------------------------------------------------------- transformers
 
 
-class HFRequestEngine:
+class HFRequestEngine(_RequestEngineBase):
     """:class:`RequestEngine` over an :class:`~trainers.engines.hf_rollout.HFRolloutEngine`.
 
     Args:
@@ -299,19 +313,8 @@ class HFRequestEngine:
         self._running: dict[str, Request] = {}
         self._gen = torch.Generator(device=engine.device).manual_seed(seed)
 
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
     def add(self, requests: Sequence[Request]) -> None:
-        held = set(self._running)
-        for r in requests:
-            _check_new(r, held)
-            held.add(r.request_id)
+        self._check_add(requests)
         if self.engine._sleep_level:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self.engine._needs_weights:
@@ -331,7 +334,7 @@ class HFRequestEngine:
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        from trainers.engines.hf_rollout import process_logits
+        from trainers.engines.hf_rollout import sample_tokens
 
         if not self._running:
             return []
@@ -364,13 +367,10 @@ class HFRequestEngine:
         active = torch.ones(B, dtype=torch.bool, device=dev)
         pos = pos[:, -1:]
         for t in range(K):
-            logp = process_logits(logits, temperature, top_k, top_p)
-            if temperature == 0:
-                tok = logp.argmax(-1)
-            else:
-                tok = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(-1)
-            tok = torch.where(active, tok, eng.pad_token_id)
-            toks[:, t], lps[:, t] = tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+            tok, tok_lp = sample_tokens(
+                logits, temperature, top_k, top_p, self._gen, ~active, eng.pad_token_id
+            )
+            toks[:, t], lps[:, t] = tok, tok_lp
             hit = torch.isin(tok, stop_t) & active
             n_new = torch.where(hit, t + 1, n_new)
             stopped |= hit
@@ -401,13 +401,7 @@ class HFRequestEngine:
         return done
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
-        ids = list(self._running) if request_ids is None else [i for i in request_ids if i in self._running]
-        return [self._running.pop(i) for i in ids]
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        if self._running:
-            raise RuntimeError(f"update_weights: {len(self._running)} requests are running; abort them first")
-        self.engine.update_weights(named_tensors, version)
+        return [self._running.pop(i) for i in self._ids_to_abort(request_ids)]
 
 
 def as_request_engine(engine: Any, *, chunk_tokens: int = 16, seed: int = 0) -> RequestEngine:
