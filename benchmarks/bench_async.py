@@ -17,8 +17,8 @@ process (one rollout engine, one training engine, the machine's cores):
   at most ``K`` versions ago.
 
 After a discarded two-step warm-up of the synchronous trainer (kernels for new shapes are built
-on first use), the modes run in order and then in reverse order, each with ``--warmup`` steps
-then ``--steps`` measured steps; the table has, over both passes, the median
+on first use), the modes run in order and then (``--passes 2``, the default) in reverse order,
+each with ``--warmup`` steps then ``--steps`` measured steps; the table has, over the passes, the median
 seconds per step, the share of the step spent generating (sync: ``time/rollout``) or waiting
 for a batch (async: ``time/wait``), the mean staleness, and the speed-up against ``sync``.
 
@@ -27,14 +27,16 @@ for a batch (async: ``time/wait``), the mean staleness, and the speed-up against
     python benchmarks/bench_async.py --learning              # learning preserved: sync vs a=2, 3 seeds
 
 ``--learning`` runs the tiny-model task of the tests (1-digit addition after a supervised
-warm-up) with the synchronous trainer and with ``ratio=2``, the same number of trained samples,
-over ``--seeds`` seeds, and prints held-out accuracy before and after.
+warm-up) with the synchronous trainer and with ``ratio=2`` (plus ``--async-config``, default
+the off-policy loss ``algorithm.policy_loss=decoupled-ppo``), the same number of trained
+samples, over ``--seeds`` seeds, and prints held-out accuracy before and after.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -80,14 +82,20 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap.add_argument("--extra", type=int, default=8, help="extra prompts of queue+extra")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per mode")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=2, help="1: modes in order; 2: then in reverse")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--learning", action="store_true", help="run the learning comparison instead")
     ap.add_argument("--seeds", type=int, default=3, help="--learning: seeds")
+    ap.add_argument(
+        "--async-config",
+        default="algorithm.policy_loss=decoupled-ppo",
+        help="--learning: config overrides of the async runs (space-separated)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     if args.learning:
-        return learning(args.seeds)
+        return learning(args.seeds, args.async_config.split())
 
     from trainers.async_trainer import AsyncTrainer
     from trainers.config import load_config
@@ -155,6 +163,8 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 )
                 res["stale"].append(met.get("staleness/mean", 0.0))
                 res["len"].append(met["response/length_mean"])
+        del tr, train, m
+        gc.collect()  # the trainer, its optimizer state and the producer thread's references
         if res is not None:
             print(f"  {mode:<12} {statistics.median(res['t'][-steps:]):.2f} s/step", flush=True)
 
@@ -163,7 +173,7 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     results_bak, results = results, {}
     run("sync", 0, 2)
     results = results_bak
-    for order in (modes, modes[::-1]):
+    for order in (modes, modes[::-1])[: max(1, args.passes)]:
         for mode in order:
             run(mode, args.steps, args.warmup)
     for mode in modes:
@@ -190,7 +200,7 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     return rows
 
 
-def learning(seeds: int) -> dict[str, dict[str, float]]:
+def learning(seeds: int, async_overrides: list[str]) -> dict[str, dict[str, float]]:
     """Held-out accuracy of the tiny-model task after the same trained samples: sync vs a=2."""
     from trainers.async_trainer import AsyncTrainer
     from trainers.config import load_config
@@ -222,12 +232,16 @@ def learning(seeds: int) -> dict[str, dict[str, float]]:
     print(
         "Learning preserved: 1-digit addition, tiny Qwen2 after 100 supervised steps; 25 RL steps x 64 samples"
     )
+    print(f"async runs: asynchronous.ratio=2 {' '.join(async_overrides)}")
     print()
     print("| seed | before | sync after | async a=2 after | a=2 staleness (mean) |")
     print("|---|---|---|---|---|")
     for seed in range(seeds):
         res = {}
-        for name, cls, extra in (("sync", SyncTrainer, []), ("a=2", AsyncTrainer, ["asynchronous.ratio=2"])):
+        for name, cls, extra in (
+            ("sync", SyncTrainer, []),
+            ("a=2", AsyncTrainer, ["asynchronous.ratio=2", *async_overrides]),
+        ):
             cfg = load_config([*rl, f"seed={seed}", f"logging.dir={tempfile.mkdtemp()}", *extra])
             model = tiny_qwen2(tok, seed=seed)
             warm = TorchTrainEngine(model, lr=3e-3)

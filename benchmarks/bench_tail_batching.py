@@ -69,6 +69,9 @@ def overrides(args: argparse.Namespace, mode: str) -> list[str]:
         f"rollout.length_dist={args.length_dist}",
         f"asynchronous.chunk_tokens={args.chunk_tokens}",
         f"train.micro_batch_size={args.micro_batch}",
+        "train.sort_by_length=true",
+        "rollout.dtype=auto",
+        "train.autocast=auto",
         f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
         f"tail_batching.enabled={'true' if mode == 'tail batching' else 'false'}",
         f"tail_batching.eta_prompts={args.eta_prompts}",
@@ -81,6 +84,8 @@ def overrides(args: argparse.Namespace, mode: str) -> list[str]:
     ]
     if tiny and args.engine == "vllm":  # vLLM's CPU attention needs a head size of 32
         over += ["model.tiny_heads=2", "model.tiny_kv_heads=1", f"rollout.max_model_len={args.cap + 64}"]
+    elif args.engine == "vllm":
+        over += [f"rollout.max_model_len={args.cap + 128}"]
     return over
 
 
