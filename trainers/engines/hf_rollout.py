@@ -38,7 +38,7 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
 
-__all__ = ["HFRolloutEngine", "process_logits", "sample_tokens"]
+__all__ = ["HFRolloutEngine", "decode_step", "process_logits", "sample_tokens"]
 
 
 def process_logits(logits: Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0) -> Tensor:
@@ -84,6 +84,20 @@ def sample_tokens(
         tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     tok = torch.where(inactive, pad, tok)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def decode_step(
+    model: Any, tok: Tensor, mask: Tensor, pos: Tensor, cache: Any
+) -> tuple[Tensor, Tensor, Any, Tensor]:
+    """Feed the ``[N]`` tokens just sampled: extend the ``[N, L]`` attention mask by one column,
+    advance the ``[N, 1]`` positions, run one cached forward. Returns ``(mask, pos, cache,
+    logits)`` with the ``[N, V]`` logits of the next token."""
+    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+    pos = pos + 1
+    o = model(
+        input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+    )
+    return mask, pos, o.past_key_values, o.logits[:, -1]
 
 
 class HFRolloutEngine:
@@ -238,16 +252,7 @@ class HFRolloutEngine:
                 emitted.update(finished)
             if t == M - 1 or bool(done.all()):
                 break
-            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
-            pos = pos + 1
-            o = self.model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits = o.past_key_values, o.logits[:, -1]
+            mask, pos, cache, logits = decode_step(self.model, tok, mask, pos, cache)
 
         tokens, lps, length, done = tokens.cpu(), lps.cpu(), length.tolist(), done.tolist()
         for b, (i, p) in enumerate(rows):

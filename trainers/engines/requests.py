@@ -334,7 +334,7 @@ class HFRequestEngine(_RequestEngineBase):
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        from trainers.engines.hf_rollout import sample_tokens
+        from trainers.engines.hf_rollout import decode_step, sample_tokens
 
         if not self._running:
             return []
@@ -377,16 +377,7 @@ class HFRequestEngine(_RequestEngineBase):
             active &= ~hit & (budget > t + 1)
             if t == K - 1 or not bool(active.any()):
                 break
-            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
-            pos = pos + 1
-            o = eng.model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits = o.past_key_values, o.logits[:, -1]
+            mask, pos, cache, logits = decode_step(eng.model, tok, mask, pos, cache)
         toks, lps, n_new, stopped = toks.cpu(), lps.cpu(), n_new.tolist(), stopped.tolist()
         version, done = eng.policy_version, []
         for b, r in enumerate(rows):
