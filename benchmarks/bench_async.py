@@ -205,7 +205,7 @@ def learning(seeds: int, async_overrides: list[str]) -> dict[str, dict[str, floa
     from trainers.async_trainer import AsyncTrainer
     from trainers.config import load_config
     from trainers.engines import HFRolloutEngine, TorchTrainEngine
-    from trainers.models import char_tokenizer, tiny_qwen2
+    from trainers.models import TINY_RL_OVERRIDES, char_tokenizer, tiny_qwen2
     from trainers.sync_trainer import SyncTrainer, supervised_warmup
 
     rl = [
@@ -214,15 +214,7 @@ def learning(seeds: int, async_overrides: list[str]) -> dict[str, dict[str, floa
         "data.digits=1",
         "data.eval_size=30",
         "eval.every=0",
-        "eval.before=true",
-        "train.lr=5e-4",
-        "train.steps=25",
-        "rollout.prompts_per_step=8",
-        "rollout.n=8",
-        "rollout.temperature=1.0",
-        "rollout.max_tokens=4",
-        "eval.max_tokens=4",
-        "train.micro_batch_size=64",
+        *TINY_RL_OVERRIDES,
         "logging.progress=false",
         "logging.tensorboard=false",
         "logging.plot=false",

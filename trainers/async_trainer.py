@@ -81,8 +81,7 @@ class _Group:
 
     rid: int  # the buffer's request id
     prompt: Prompt
-    version: int  # the version that started it
-    requests: list[Request]
+    requests: list[Request]  # their start_version is the version that started the group
     scores: dict[int, float] = field(default_factory=dict)
     finished: dict[int, Request] = field(default_factory=dict)
 
@@ -113,7 +112,7 @@ class QueueScheduler:
         self._pause = self._parked = self._stop = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._admitted_at_version: dict[int, int] = defaultdict(int)
+        self._admit_at = (-1, 0)  # (version, groups admitted at it): the seed index of the next group
         self.counts = dict.fromkeys(("filtered", "resubmitted", "restarted", "generated_tokens"), 0)
 
     # ------------------------------------------------------------------ control (trainer thread)
@@ -237,8 +236,9 @@ class QueueScheduler:
             rids = self.buffer.reserve(k) if k else []
             version = self.buffer.version
         for rid in rids:
-            g = self.tr._new_group(rid, version, self._admitted_at_version[version])
-            self._admitted_at_version[version] += 1
+            index = self._admit_at[1] if self._admit_at[0] == version else 0
+            self._admit_at = (version, index + 1)
+            g = self.tr._new_group(rid, version, index)
             self.groups[rid] = g
             self._dispatch(g.requests, together=not self.tr.cfg.asynchronous.replicate)
             started = True
@@ -372,7 +372,7 @@ class AsyncTrainer(SyncTrainer):
             self._request(f"a{rid}-{j}", ids, params, index * n + j, start_version=version, tag=(rid, j))
             for j in range(n)
         ]
-        return _Group(rid, prompt, version, reqs)
+        return _Group(rid, prompt, reqs)
 
     # ------------------------------------------------------------------ the trainer
 
