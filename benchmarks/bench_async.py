@@ -25,6 +25,15 @@ for a batch (async: ``time/wait``), the mean staleness, and the speed-up against
     python benchmarks/bench_async.py                         # SmolLM2-135M on vLLM (the reported run)
     python benchmarks/bench_async.py --model tiny --engine hf --cap 48 --steps 2   # smoke run
     python benchmarks/bench_async.py --learning              # learning preserved: sync vs a=2, 3 seeds
+    python benchmarks/bench_async.py --recipe                # the default recipe's own job, 5 set-ups
+
+``--recipe`` runs the default recipe's whole job (``recipes/rlvr_qwen.py``: SmolLM2-135M,
+2-digit addition, 4 prompts x 8 samples, 20 steps, held-out accuracy on 100 prompts before
+and after), one subprocess per set-up (``--recipe-modes``), on the same cores: in this process
+synchronous and asynchronous (ratio 1 and 2, ``decoupled-ppo``), and on a local Ray with
+``placement.mode=disaggregated`` (one rollout actor and one train actor, half the cores
+each) synchronous and asynchronous (ratio 1). It prints seconds per step, the whole job's
+wall time and the accuracy after; ``--recipe-args`` adds config overrides to every run.
 
 ``--learning`` runs the tiny-model task of the tests (1-digit addition after a supervised
 warm-up) with the synchronous trainer and with ``ratio=2`` (plus ``--async-config``, default
@@ -56,6 +65,16 @@ except ImportError:  # run as a script from a checkout without `pip install -e .
 import torch
 
 MODES = ("sync", "queue", "queue+extra", "async a=1", "async a=2", "async a=4")
+_OFF_POLICY = ["algorithm.policy_loss=decoupled-ppo"]
+_RAY = ["--ray", "placement.mode=disaggregated", "ray.object_store_mb=512"]
+#: the set-ups of ``--recipe``: config overrides of recipes/rlvr_qwen.py
+RECIPE_MODES: dict[str, list[str]] = {
+    "sync": [],
+    "async a=1": ["asynchronous.enabled=true", "asynchronous.ratio=1", *_OFF_POLICY],
+    "async a=2": ["asynchronous.enabled=true", "asynchronous.ratio=2", *_OFF_POLICY],
+    "ray sync": _RAY,
+    "ray async a=1": [*_RAY, "asynchronous.enabled=true", "asynchronous.ratio=1", *_OFF_POLICY],
+}
 
 
 def mode_overrides(mode: str, extra: int) -> list[str]:
@@ -92,10 +111,17 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         default="algorithm.policy_loss=decoupled-ppo",
         help="--learning: config overrides of the async runs (space-separated)",
     )
+    ap.add_argument("--recipe", action="store_true", help="run the default recipe's job instead")
+    ap.add_argument("--recipe-modes", default=",".join(RECIPE_MODES), help="--recipe: set-ups")
+    ap.add_argument("--recipe-args", default="", help="--recipe: overrides for every run (space-separated)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     if args.learning:
         return learning(args.seeds, args.async_config.split())
+    if args.recipe:
+        return recipe(
+            [m.strip() for m in args.recipe_modes.split(",") if m.strip()], args.recipe_args.split()
+        )
 
     from trainers.async_trainer import AsyncTrainer
     from trainers.config import load_config
@@ -196,6 +222,68 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         print(
             f"| {mode} | {r['s_per_step']:.2f} | {r['gen_share']:.0%} | {r['staleness']:.2f} | "
             f"{r['len_mean']:.1f} | {ref / r['s_per_step']:.2f}x |"
+        )
+    return rows
+
+
+def recipe(modes: list[str], extra: list[str]) -> dict[str, dict[str, float]]:
+    """The default recipe's job in each set-up of :data:`RECIPE_MODES` (module docstring)."""
+    import json
+    import re
+    import subprocess
+
+    for m in modes:
+        if m not in RECIPE_MODES:
+            raise SystemExit(f"--recipe-modes: unknown set-up {m!r}; known: {', '.join(RECIPE_MODES)}")
+    root = Path(__file__).resolve().parents[1]
+    cores = os.cpu_count() or 1
+    rows: dict[str, dict[str, float]] = {}
+    print(f"The default recipe's job (recipes/rlvr_qwen.py), {cores} cores, one run per set-up")
+    for mode in modes:
+        log_dir = tempfile.mkdtemp(prefix="rollkit-bench-recipe-")
+        ray_cpus = [f"ray.num_cpus={cores}", f"placement.cpus_per_worker={max(1, cores // 2)}"]
+        cmd = [
+            sys.executable,
+            str(root / "recipes" / "rlvr_qwen.py"),
+            *RECIPE_MODES[mode],
+            *(ray_cpus if "--ray" in RECIPE_MODES[mode] else []),
+            *extra,
+            f"logging.dir={log_dir}",
+        ]
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0:
+            print(p.stdout[-3000:], p.stderr[-3000:], sep="\n")
+            raise SystemExit(f"{mode}: the recipe failed ({p.returncode}): {' '.join(cmd)}")
+        acc = {k: float(v) for k, v in re.findall(r"held-out accuracy (before|after):\s+([0-9.]+)", p.stdout)}
+        hist = [json.loads(line) for line in open(Path(log_dir) / "metrics.jsonl")]
+        steps = [h for h in hist if "time/step" in h]
+        t = [h["time/step"] for h in steps]
+        waits = [(h.get("time/rollout", 0.0) + h.get("time/wait", 0.0)) / h["time/step"] for h in steps]
+        rows[mode] = {
+            "s_per_step": statistics.mean(t),
+            "s_per_step_median": statistics.median(t),
+            "gen_share": statistics.mean(waits),
+            "staleness": statistics.mean([h.get("staleness/mean", 0.0) for h in steps]),
+            "len_mean": statistics.mean([h["response/length_mean"] for h in steps]),
+            "wall_s": wall,
+            "before": acc.get("before", float("nan")),
+            "after": acc.get("after", float("nan")),
+        }
+        print(f"  {mode:<14} {rows[mode]['s_per_step']:.2f} s/step, {wall:.0f} s in all", flush=True)
+    ref = rows.get("sync", next(iter(rows.values())))["s_per_step"]
+    print()
+    print(
+        "| set-up | s/step (mean) | median | generating / waiting share | staleness (mean) | "
+        "trained length | job wall time | accuracy before -> after | speed-up vs sync (s/step) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode, r in rows.items():
+        print(
+            f"| {mode} | {r['s_per_step']:.2f} | {r['s_per_step_median']:.2f} | {r['gen_share']:.0%} | "
+            f"{r['staleness']:.2f} | {r['len_mean']:.1f} | {r['wall_s']:.0f} s | {r['before']:.2f} -> "
+            f"{r['after']:.2f} | {ref / r['s_per_step']:.2f}x |"
         )
     return rows
 

@@ -150,3 +150,28 @@ def test_tail_batching_tiny(capsys):
     tail = results["tail batching"]
     assert tail["launched"] > 4 and results["sync"]["launched"] == 4  # short rounds over-provision
     assert "command: python benchmarks/bench_tail_batching.py --model tiny --engine hf" in out
+
+
+def test_async_w1_tiny(capsys):
+    """W1 on the tiny model with the HF engine: sync against async a=1, same trained samples."""
+    pytest.importorskip("transformers")
+    argv = ["--model", "tiny", "--engine", "hf", "--steps", "1", "--warmup", "0", "--passes", "1"]
+    rows = load("bench_async").w1([*argv, "--prompts", "2", "--n", "2", "--cap", "16", "--threads", "1",
+                                   "--modes", "sync,async a=1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert set(rows) == {"sync", "async a=1"} and "| async a=1 |" in out
+    assert all(r["s_per_step"] > 0 and 0 <= r["gen_share"] <= 1 for r in rows.values()), rows
+    assert rows["sync"]["staleness"] == 0 and 0 <= rows["async a=1"]["staleness"] <= 1
+
+
+def test_async_recipe_tiny(capsys):
+    """--recipe runs the recipe script per set-up (here the tiny model, two in-process set-ups)."""
+    pytest.importorskip("transformers")
+    extra = "--model tiny train.steps=2 data.digits=1 data.eval_size=4 rollout.prompts_per_step=2 rollout.n=2"
+    rows = load("bench_async").w1(["--recipe", "--recipe-modes", "sync,async a=1", "--recipe-args", extra])
+    out = capsys.readouterr().out
+    assert set(rows) == {"sync", "async a=1"} and "| async a=1 |" in out
+    for r in rows.values():
+        assert r["s_per_step"] > 0 and r["wall_s"] > 0 and 0 <= r["before"] <= 1 and 0 <= r["after"] <= 1, r
+    with pytest.raises(SystemExit, match="unknown set-up"):
+        load("bench_async").w1(["--recipe", "--recipe-modes", "colocated"])

@@ -45,9 +45,14 @@ older policy than the trainer's), ``async/resumed_samples``, ``buffer/*`` (the b
 counts: produced, consumed, dropped_stale, aborted), ``async/filtered``,
 ``time/wait`` (the trainer waiting for a batch), ``time/train``, ``time/weight_sync``.
 
-The producer is a thread of this process: engines, trainer and reward pool are the
-in-process roles (``ray.enabled`` is refused). docs/async.md has the knobs and the measured
-W1 table.
+Where the roles run: by default all in this process (the producer is a thread; engines,
+trainer and reward pool share the process's cores). With ``ray.enabled=true`` and
+``placement.mode=disaggregated`` rollout and training are separate processes on resources of
+their own: the engines are the ``placement.rollout_workers`` rollout actors (each driven
+through a :class:`~trainers.ray.RayRequestEngine`; the producer thread only dispatches, steps
+every actor at once and scores), the trainer is the Ray train group (data-parallel ranks, which
+also recompute the proximal log-probs), and the weights go to every actor from one
+object-store copy. docs/async.md has the knobs and the measured tables.
 """
 
 from __future__ import annotations
@@ -84,6 +89,10 @@ class _Group:
     requests: list[Request]  # their start_version is the version that started the group
     scores: dict[int, float] = field(default_factory=dict)
     finished: dict[int, Request] = field(default_factory=dict)
+
+
+def _is_object_ref(x: Any) -> bool:
+    return type(x).__name__ == "ObjectRef"
 
 
 def _least_loaded(engines: Sequence[RequestEngine], extra: Sequence[int] | None = None) -> int:
@@ -186,11 +195,14 @@ class QueueScheduler:
                 if aborts:
                     self._drop(aborts)
                 busy = self._admit()
-                for e in self.engines:
-                    if e.num_running:
-                        busy = True
-                        for r in e.step():
-                            self._finished(r)
+                running = [e for e in self.engines if e.num_running]
+                for e in running:  # remote engines (Ray actors) step at the same time
+                    if hasattr(e, "start_step"):
+                        e.start_step()
+                for e in running:
+                    busy = True
+                    for r in e.step():
+                        self._finished(r)
                 busy |= self._collect_scores()
                 if not busy:
                     with self.cond:
@@ -300,10 +312,16 @@ class AsyncTrainer(SyncTrainer):
 
     def __init__(self, cfg: Config, *, engines: Sequence[Any] | None = None, **kwargs: Any) -> None:
         ac = cfg.asynchronous
-        if cfg.ray.enabled:
+        if cfg.ray.enabled and cfg.placement.mode != "disaggregated":
             raise ValueError(
-                "ray.enabled: the asynchronous trainer runs its roles in this process (use the "
-                "synchronous trainer on Ray)"
+                f"placement.mode={cfg.placement.mode!r}: the asynchronous trainer generates while it "
+                "trains, so on Ray the rollout and train actors need resources of their own: set "
+                "placement.mode=disaggregated"
+            )
+        if cfg.ray.enabled and ac.num_engines not in (1, cfg.placement.rollout_workers):
+            raise ValueError(
+                f"asynchronous.num_engines={ac.num_engines}: on Ray the engines are the "
+                f"placement.rollout_workers={cfg.placement.rollout_workers} rollout actors; set that instead"
             )
         if ac.in_flight not in ("keep", "abort"):
             raise ValueError(f"asynchronous.in_flight must be 'keep' or 'abort', got {ac.in_flight!r}")
@@ -331,6 +349,13 @@ class AsyncTrainer(SyncTrainer):
                 stacklevel=2,
             )
         P, n = cfg.rollout.prompts_per_step, cfg.rollout.n
+        if engines is None and hasattr(self.rollout, "actors"):  # Ray: every rollout actor
+            from trainers.ray import RayRequestEngine
+
+            engines = [
+                RayRequestEngine(a, chunk_tokens=ac.chunk_tokens, seed=cfg.seed + 1 + k)
+                for k, a in enumerate(self.rollout.actors)
+            ]
         if engines is None:
             engines = [self.rollout]
             if ac.num_engines > 1:
@@ -382,19 +407,24 @@ class AsyncTrainer(SyncTrainer):
         entirely by the current policy keeps the rollout's, as the synchronous trainer does."""
         if not self.cfg.asynchronous.recompute_logprobs or not self._batch_is_stale:
             return
-        engine = getattr(self.learner, "engine", None)
-        if engine is None:
-            raise ValueError("asynchronous.recompute_logprobs: needs an in-process train engine")
         mbs, temp = self.cfg.train.micro_batch_size, self.cfg.rollout.temperature
-        out = []
+        engine = getattr(self.learner, "engine", None)
         with timer("recompute"), torch.no_grad():
-            for i in range(0, batch.input_ids.shape[0], mbs):
-                mb = batch[i : i + mbs]
-                out.append(
+            if engine is not None:
+                out = [
                     engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temp)
+                    for mb in (batch[i : i + mbs] for i in range(0, batch.input_ids.shape[0], mbs))
+                ]
+                proximal = torch.cat(out)
+            elif hasattr(self.learner, "batch_logprobs"):  # the Ray train group
+                proximal = self.learner.batch_logprobs(batch, temperature=temp, micro_batch_size=mbs)
+            else:
+                raise ValueError(
+                    "asynchronous.recompute_logprobs: the learner has neither an in-process train "
+                    "engine nor batch_logprobs; set asynchronous.recompute_logprobs=false"
                 )
         batch.behavior_logprobs = batch.old_logprobs
-        batch.old_logprobs = torch.cat(out) * batch.response_mask
+        batch.old_logprobs = proximal * batch.response_mask
 
     def step(self) -> dict[str, float]:
         """Wait for a batch, train on it, then suspend -> update every engine -> resume."""
@@ -442,7 +472,9 @@ class AsyncTrainer(SyncTrainer):
         train_groups = [(p, [r.to_generation(i) for r in rs], rw) for i, (p, rs, rw) in enumerate(groups)]
         self._train_on_groups(train_groups, metrics, timer)
         with timer("weight_sync"):
-            weights = list(self.learner.export_weights())
+            weights = self.learner.export_weights()  # Ray: one object-store copy for every actor
+            if not _is_object_ref(weights):
+                weights = list(weights)
             sch.pause()
             try:
                 metrics["async/stopped_in_flight"] = sch.stop_in_flight(

@@ -209,10 +209,11 @@ def test_bad_config(tmp_path):
         ("asynchronous.extra_prompts=-1", "extra_prompts"),
         ("asynchronous.num_engines=0", "num_engines"),
         ("asynchronous.ratio=-1", "ratio"),
-        ("ray.enabled=true", "ray.enabled"),
+        ("ray.enabled=true", "placement.mode"),  # colocated (the default) is refused
+        ("ray.enabled=true placement.mode=disaggregated asynchronous.num_engines=3", "num_engines"),
     ]:
         with pytest.raises(ValueError, match=match):
-            make(AsyncTrainer, tmp_path, bad)
+            make(AsyncTrainer, tmp_path, *bad.split())
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ the rollout / train / reference actors with the proxies the trainer talks to
 from trainers.ray.placement import ActorSlot, BundlePlan, Placement, plan_bundles
 from trainers.ray.workers import (
     RayReference,
+    RayRequestEngine,
     RayRoles,
     RayRolloutGroup,
     RayTrainGroup,
@@ -20,6 +21,7 @@ __all__ = [
     "BundlePlan",
     "Placement",
     "RayReference",
+    "RayRequestEngine",
     "RayRoles",
     "RayRolloutGroup",
     "RayTrainGroup",

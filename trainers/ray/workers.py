@@ -24,8 +24,11 @@ Proxies (what the trainer holds; same interfaces as the in-process engines):
 * :class:`RayTrainGroup`: ``update`` puts the batch in the object store once, runs
   ``ppo_update`` on every rank and adds up the ranks' metric sums; ``export_weights`` returns
   the object reference of rank 0's weights (the other ranks take part in the collectives
-  that ZeRO-3 needs, and return nothing).
+  that ZeRO-3 needs, and return nothing); ``batch_logprobs`` the current policy's log-probs
+  (the asynchronous trainer's proximal recompute).
 * :class:`RayReference`: ``batch_logprobs``.
+* :class:`RayRequestEngine`: one rollout actor driven request by request (the
+  :class:`~trainers.engines.requests.RequestEngine` protocol), for the asynchronous trainer.
 
 Every actor sets ``torch.set_num_threads`` to its CPUs (at least 1; ``ray.torch_threads``
 overrides). :func:`build_ray_roles` starts Ray if needed (:func:`init_ray`), reserves the
@@ -52,6 +55,7 @@ from trainers.ray.placement import Placement, plan_bundles
 
 __all__ = [
     "RayReference",
+    "RayRequestEngine",
     "RayRoles",
     "RayRolloutGroup",
     "RayTrainGroup",
@@ -112,6 +116,18 @@ def _model(cfg: Config, model: Any, tokenizer: Any) -> tuple[Any, Any]:
     return build_model(cfg)
 
 
+def _micro_batch_logprobs(
+    engine: Any, batch: PackedBatch, temperature: float, micro_batch_size: int
+) -> torch.Tensor:
+    out = []
+    for i in range(0, batch.input_ids.shape[0], micro_batch_size):
+        mb = batch[i : i + micro_batch_size]
+        out.append(
+            engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temperature)
+        )
+    return torch.cat(out)
+
+
 # --------------------------------------------------------------------------- actors
 
 
@@ -124,13 +140,34 @@ class RolloutWorker:
 
         model, tokenizer = _model(cfg, model, tokenizer)
         self.engine = make_rollout_engine(cfg, model, tokenizer, device=device)
+        self.requests: Any = None  # the request-level view (init_requests)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         return self.engine.generate(prompts, params)
 
     def update_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> int:
-        self.engine.update_weights(weights, version)
+        # the request engine refuses while requests run
+        (self.engine if self.requests is None else self.requests).update_weights(weights, version)
         return version
+
+    # request level (:class:`RayRequestEngine`: the asynchronous trainer's queue scheduling)
+
+    def init_requests(self, chunk_tokens: int, seed: int) -> int:
+        """Build the request-level view of the engine (once); returns its policy version."""
+        from trainers.engines.requests import as_request_engine
+
+        if self.requests is None:
+            self.requests = as_request_engine(self.engine, chunk_tokens=chunk_tokens, seed=seed)
+        return self.engine.policy_version
+
+    def add_requests(self, requests: list[Any]) -> None:
+        self.requests.add(requests)
+
+    def step_requests(self) -> list[Any]:
+        return self.requests.step()
+
+    def abort_requests(self, request_ids: list[str] | None) -> list[Any]:
+        return self.requests.abort(request_ids)
 
     def sleep(self, level: int) -> None:
         self.engine.sleep(level)
@@ -197,6 +234,15 @@ class TrainWorker:
         )
         return dict(stats.sums), dict(stats.counts)
 
+    @torch.no_grad()
+    def batch_logprobs(
+        self, batch: PackedBatch, temperature: float, micro_batch_size: int
+    ) -> torch.Tensor | None:
+        """The current policy's log-probs of the whole batch (every rank runs the same forwards,
+        as ZeRO-3's parameter gathering needs); rank 0 returns them."""
+        out = _micro_batch_logprobs(self.engine, batch, temperature, micro_batch_size)
+        return out if self.rank == 0 else None
+
     def export_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         weights = list(self.engine.export_weights())  # every rank: ZeRO-3 gathers collectively
         return weights if self.rank == 0 else None
@@ -227,15 +273,7 @@ class ReferenceWorker:
 
     @torch.no_grad()
     def batch_logprobs(self, batch: PackedBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
-        out = []
-        for i in range(0, batch.input_ids.shape[0], micro_batch_size):
-            mb = batch[i : i + micro_batch_size]
-            out.append(
-                self.engine.logprobs(
-                    mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temperature
-                )
-            )
-        return torch.cat(out)
+        return _micro_batch_logprobs(self.engine, batch, temperature, micro_batch_size)
 
     def node_id(self) -> str:
         return _node_id()
@@ -316,6 +354,70 @@ class RayRolloutGroup:
         return _ray().get([a.node_id.remote() for a in self.actors])
 
 
+class RayRequestEngine:
+    """One :class:`RolloutWorker` behind the :class:`~trainers.engines.requests.RequestEngine`
+    protocol: the asynchronous trainer's queue scheduler drives rollout actors with it.
+
+    ``add`` / ``abort`` / ``update_weights`` wait for the actor; :meth:`start_step` sends a
+    step without waiting, so a scheduler that starts every engine's step before collecting any
+    (:class:`~trainers.async_trainer.QueueScheduler` does) runs the actors at the same time;
+    :meth:`step` collects it (or runs one). The running count is kept here (no call needed).
+
+    Args:
+        actor: a :class:`RolloutWorker` actor handle.
+        chunk_tokens, seed: for the actor's request engine
+            (:func:`~trainers.engines.requests.as_request_engine`).
+    """
+
+    def __init__(self, actor: Any, *, chunk_tokens: int = 16, seed: int = 0) -> None:
+        self.actor = actor
+        self.policy_version = int(_ray().get(actor.init_requests.remote(chunk_tokens, seed)))
+        self._running: set[str] = set()
+        self._step_ref: Any = None
+        self.requests_added = 0  # requests sent to this actor (new and continued)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add(self, requests: Sequence[Any]) -> None:
+        requests = list(requests)
+        _ray().get(self.actor.add_requests.remote(requests))  # the actor checks them
+        self._running.update(r.request_id for r in requests)
+        self.requests_added += len(requests)
+
+    def start_step(self) -> None:
+        """Send one step to the actor (collected by the next :meth:`step`)."""
+        if self._step_ref is None and self._running:
+            self._step_ref = self.actor.step_requests.remote()
+
+    def step(self) -> list[Any]:
+        self.start_step()
+        if self._step_ref is None:
+            return []
+        ref, self._step_ref = self._step_ref, None
+        done = _ray().get(ref)
+        self._running.difference_update(r.request_id for r in done)
+        return done
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[Any]:
+        ids = None if request_ids is None else [i for i in request_ids if i in self._running]
+        if ids == []:
+            return []
+        if self._step_ref is not None:
+            raise RuntimeError("abort: a step is in flight; collect it with step() first")
+        stopped = _ray().get(self.actor.abort_requests.remote(ids))
+        self._running.difference_update(r.request_id for r in stopped)
+        return stopped
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any, version: int) -> None:
+        """Load new weights (an ObjectRef is used as is); refused by the actor while requests run."""
+        ray = _ray()
+        ref = named_tensors if isinstance(named_tensors, ray.ObjectRef) else ray.put(list(named_tensors))
+        ray.get(self.actor.update_weights.remote(ref, version))
+        self.policy_version = int(version)
+
+
 class RayTrainGroup:
     """N train ranks behind the :class:`~trainers.sync_trainer.Learner` interface."""
 
@@ -346,6 +448,16 @@ class RayTrainGroup:
         refs = [w.export_weights.remote() for w in self.workers]
         _ray().get(refs[1:])
         return refs[0]
+
+    def batch_logprobs(
+        self, batch: PackedBatch, *, temperature: float, micro_batch_size: int
+    ) -> torch.Tensor:
+        """The train policy's current log-probs of ``batch`` (the asynchronous trainer's proximal
+        recompute), computed by every rank, returned by rank 0."""
+        ray = _ray()
+        ref = ray.put(batch)
+        refs = [w.batch_logprobs.remote(ref, temperature, micro_batch_size) for w in self.workers]
+        return ray.get(refs)[0]
 
     def weights(self) -> list[tuple[str, torch.Tensor]]:
         """Rank 0's weights, fetched here."""
