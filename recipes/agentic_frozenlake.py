@@ -54,6 +54,9 @@ def recipe_defaults(tiny: bool = False) -> AgenticConfig:
     cfg.eval.episodes = 32
     cfg.eval.max_tokens = 12
     cfg.logging.dir = "runs/agentic_frozenlake"
+    # bfloat16 matmuls where they are fast (AMX CPUs, CUDA), float32 master weights
+    cfg.rollout.dtype = "auto"
+    cfg.train.autocast = "auto"
     if tiny:  # a random model: teach the format first, keep going after a bad move
         cfg.model.path = "tiny"
         cfg.env.kwargs["end_on_format_error"] = False

@@ -92,6 +92,9 @@ class AgenticRolloutConfig:
     top_k: int = -1
     max_tokens: int = 16  # per turn
     max_batch_size: int | None = None
+    # rollout weights' dtype: "" = model.dtype; "auto" = bfloat16 where its matmuls are fast
+    # (CUDA with bf16, CPUs with AMX), else model.dtype; or "float32" / "bfloat16" / "float16"
+    dtype: str = ""
     max_staleness: int = 0  # 0: synchronous; >= 1: overlap collection with training, per-turn bound
     max_attempts: int = 0  # episodes launched per group before it is abandoned (0: 3 x launched)
 
@@ -208,6 +211,10 @@ def build_agentic_engines(cfg: AgenticConfig) -> tuple[Any, Any, Any]:
     if cfg.model.dtype not in dtypes:
         raise ValueError(f"model.dtype: expected one of {sorted(dtypes)}, got {cfg.model.dtype!r}")
     dtype = dtypes[cfg.model.dtype]
+    from trainers.sync_trainer import rollout_dtype, train_autocast
+
+    # train.autocast / rollout.dtype as in the RLVR trainer (bfloat16 matmuls where fast)
+    autocast, r_dtype = train_autocast(cfg, cfg.train.device), rollout_dtype(cfg, cfg.train.device)
     if cfg.model.path == "tiny":
         tok = char_tokenizer()
         model = tiny_qwen2(
@@ -222,7 +229,7 @@ def build_agentic_engines(cfg: AgenticConfig) -> tuple[Any, Any, Any]:
         copy.deepcopy(model),
         tok,
         device=cfg.train.device,
-        dtype=dtype,
+        dtype=r_dtype,
         max_batch_size=cfg.rollout.max_batch_size,
     )
     train = TorchTrainEngine(
@@ -232,6 +239,7 @@ def build_agentic_engines(cfg: AgenticConfig) -> tuple[Any, Any, Any]:
         grad_clip=cfg.train.grad_clip,
         dtype=dtype,
         device=cfg.train.device,
+        autocast=autocast,
     )
     return rollout, train, tok
 

@@ -73,6 +73,23 @@ def test_config_loads_overrides_and_rejects_bad_values():
         load_config(["rollout.nope=1"], base=AgenticConfig())
 
 
+def test_engines_take_rollout_dtype_and_train_autocast():
+    """rollout.dtype and train.autocast reach the embedded engines (as in the RLVR trainer);
+    a bad value names its field."""
+    from trainers.agentic_trainer import build_agentic_engines
+
+    cfg = load_config([*TINY, "rollout.dtype=bfloat16", "train.autocast=bfloat16"], base=AgenticConfig())
+    rollout, train, _ = build_agentic_engines(cfg)
+    assert rollout.dtype == torch.bfloat16 and next(rollout.model.parameters()).dtype == torch.bfloat16
+    assert train.autocast == torch.bfloat16 and next(train.model.parameters()).dtype == torch.float32
+    rollout, train, _ = build_agentic_engines(load_config(TINY, base=AgenticConfig()))
+    assert rollout.dtype == torch.float32 and train.autocast is None  # defaults: float32, no autocast
+    with pytest.raises(ValueError, match="train.autocast"):
+        build_agentic_engines(load_config([*TINY, "train.autocast=int8"], base=AgenticConfig()))
+    with pytest.raises(ValueError, match="rollout.dtype"):
+        build_agentic_engines(load_config([*TINY, "rollout.dtype=int8"], base=AgenticConfig()))
+
+
 # ----------------------------------------------------------------------------- end to end (slow)
 
 
