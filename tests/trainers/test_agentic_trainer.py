@@ -84,9 +84,9 @@ def test_engines_take_rollout_dtype_and_train_autocast():
     assert train.autocast == torch.bfloat16 and next(train.model.parameters()).dtype == torch.float32
     rollout, train, _ = build_agentic_engines(load_config(TINY, base=AgenticConfig()))
     assert rollout.dtype == torch.float32 and train.autocast is None  # defaults: float32, no autocast
-    with pytest.raises(ValueError, match="train.autocast"):
+    with pytest.raises(ValueError, match=r"train\.autocast"):
         build_agentic_engines(load_config([*TINY, "train.autocast=int8"], base=AgenticConfig()))
-    with pytest.raises(ValueError, match="rollout.dtype"):
+    with pytest.raises(ValueError, match=r"rollout\.dtype"):
         build_agentic_engines(load_config([*TINY, "rollout.dtype=int8"], base=AgenticConfig()))
 
 
