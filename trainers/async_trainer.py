@@ -67,13 +67,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rollkit.buffer import SampleBuffer, staleness_metrics
 from rollkit.registry import POLICY_LOSSES
 from trainers.config import Config
 from trainers.data import Prompt
-from trainers.engines.base import PackedBatch
+from trainers.engines.base import PackedBatch, batch_logprobs
 from trainers.engines.requests import Request, RequestEngine, as_request_engine
 from trainers.sync_trainer import SyncTrainer, _Timer
 
@@ -407,22 +405,20 @@ class AsyncTrainer(SyncTrainer):
         entirely by the current policy keeps the rollout's, as the synchronous trainer does."""
         if not self.cfg.asynchronous.recompute_logprobs or not self._batch_is_stale:
             return
-        mbs, temp = self.cfg.train.micro_batch_size, self.cfg.rollout.temperature
-        engine = getattr(self.learner, "engine", None)
-        with timer("recompute"), torch.no_grad():
-            if engine is not None:
-                out = [
-                    engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temp)
-                    for mb in (batch[i : i + mbs] for i in range(0, batch.input_ids.shape[0], mbs))
-                ]
-                proximal = torch.cat(out)
-            elif hasattr(self.learner, "batch_logprobs"):  # the Ray train group
-                proximal = self.learner.batch_logprobs(batch, temperature=temp, micro_batch_size=mbs)
-            else:
-                raise ValueError(
-                    "asynchronous.recompute_logprobs: the learner has neither an in-process train "
-                    "engine nor batch_logprobs; set asynchronous.recompute_logprobs=false"
-                )
+        # in process: the train engine; on Ray: the train group's batch_logprobs
+        policy = getattr(self.learner, "engine", self.learner)
+        if not hasattr(policy, "logprobs") and not hasattr(policy, "batch_logprobs"):
+            raise ValueError(
+                "asynchronous.recompute_logprobs: the learner has neither an in-process train engine "
+                "nor batch_logprobs; set asynchronous.recompute_logprobs=false"
+            )
+        with timer("recompute"):
+            proximal = batch_logprobs(
+                policy,
+                batch,
+                temperature=self.cfg.rollout.temperature,
+                micro_batch_size=self.cfg.train.micro_batch_size,
+            )
         batch.behavior_logprobs = batch.old_logprobs
         batch.old_logprobs = proximal * batch.response_mask
 

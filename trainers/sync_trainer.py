@@ -57,6 +57,7 @@ from trainers.engines.base import (
     RolloutEngine,
     SamplingParams,
     TrainEngine,
+    batch_logprobs,
     iter_generations,
     pack_generations,
 )
@@ -764,19 +765,13 @@ class SyncTrainer:
         return [done[k] for k in range(len(reqs))], [scores[k] for k in range(len(reqs))]
 
     def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        mbs, temp = self.cfg.train.micro_batch_size, self.cfg.rollout.temperature
-        if hasattr(self.reference, "batch_logprobs"):  # a Ray reference actor
-            return self.reference.batch_logprobs(batch, temperature=temp, micro_batch_size=mbs)
-        out = []
-        with torch.no_grad():
-            for i in range(0, batch.input_ids.shape[0], mbs):
-                mb = batch[i : i + mbs]
-                out.append(
-                    self.reference.logprobs(
-                        mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temp
-                    )
-                )
-        return torch.cat(out)
+        c = self.cfg
+        return batch_logprobs(
+            self.reference,
+            batch,
+            temperature=c.rollout.temperature,
+            micro_batch_size=c.train.micro_batch_size,
+        )
 
     # ------------------------------------------------------------------ the loop
 

@@ -40,6 +40,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "TrainEngine",
+    "batch_logprobs",
     "iter_generations",
     "pack",
     "pack_generations",
@@ -299,3 +300,19 @@ def pack_generations(
     )
     b.prompt_index = torch.tensor([g.prompt_index for g in generations], dtype=torch.long)
     return b
+
+
+@torch.no_grad()
+def batch_logprobs(policy: Any, batch: PackedBatch, *, temperature: float, micro_batch_size: int) -> Tensor:
+    """The ``[B, T]`` log-probs of a packed batch under ``policy``, without gradients: its own
+    ``batch_logprobs`` when it has one (a Ray reference actor or train group), else its
+    TrainEngine ``logprobs`` over micro-batches of ``micro_batch_size`` rows."""
+    if hasattr(policy, "batch_logprobs"):
+        return policy.batch_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size)
+    out = []
+    for i in range(0, batch.input_ids.shape[0], micro_batch_size):
+        mb = batch[i : i + micro_batch_size]
+        out.append(
+            policy.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temperature)
+        )
+    return torch.cat(out)

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from trainers.config import Config
-from trainers.engines.base import Generation, PackedBatch, SamplingParams
+from trainers.engines.base import Generation, PackedBatch, SamplingParams, batch_logprobs
 from trainers.ray.placement import Placement, plan_bundles
 
 __all__ = [
@@ -114,18 +114,6 @@ def _model(cfg: Config, model: Any, tokenizer: Any) -> tuple[Any, Any]:
     from trainers.sync_trainer import build_model
 
     return build_model(cfg)
-
-
-def _micro_batch_logprobs(
-    engine: Any, batch: PackedBatch, temperature: float, micro_batch_size: int
-) -> torch.Tensor:
-    out = []
-    for i in range(0, batch.input_ids.shape[0], micro_batch_size):
-        mb = batch[i : i + micro_batch_size]
-        out.append(
-            engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temperature)
-        )
-    return torch.cat(out)
 
 
 # --------------------------------------------------------------------------- actors
@@ -240,7 +228,7 @@ class TrainWorker:
     ) -> torch.Tensor | None:
         """The current policy's log-probs of the whole batch (every rank runs the same forwards,
         as ZeRO-3's parameter gathering needs); rank 0 returns them."""
-        out = _micro_batch_logprobs(self.engine, batch, temperature, micro_batch_size)
+        out = batch_logprobs(self.engine, batch, temperature=temperature, micro_batch_size=micro_batch_size)
         return out if self.rank == 0 else None
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -273,7 +261,7 @@ class ReferenceWorker:
 
     @torch.no_grad()
     def batch_logprobs(self, batch: PackedBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
-        return _micro_batch_logprobs(self.engine, batch, temperature, micro_batch_size)
+        return batch_logprobs(self.engine, batch, temperature=temperature, micro_batch_size=micro_batch_size)
 
     def node_id(self) -> str:
         return _node_id()
