@@ -86,6 +86,23 @@ def sample_tokens(
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+def prefill(
+    model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: Any
+) -> tuple[Tensor, Tensor, Any, Tensor]:
+    """Left-pad ``seqs`` to one width and run them through ``model`` with a KV cache; returns
+    ``(attention_mask, position_ids, cache, last_logits)`` for :func:`decode_step`."""
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, x in enumerate(seqs):
+        ids[b, width - len(x) :] = torch.tensor(list(x))
+        mask[b, width - len(x) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = position_ids_from_mask(mask)
+    o = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    return mask, pos, o.past_key_values, o.logits[:, -1]
+
+
 def decode_step(
     model: Any, tok: Tensor, mask: Tensor, pos: Tensor, cache: Any
 ) -> tuple[Tensor, Tensor, Any, Tensor]:
@@ -212,21 +229,12 @@ class HFRolloutEngine:
     ) -> Iterator[tuple[int, Generation]]:
         """Sample ``rows`` as one batch; yield ``(row, Generation)`` at the step each row finishes."""
         B, dev = len(rows), self.device
-        P = max(len(p) for _, p in rows)
         # Prefill each distinct prompt once (the n samples of a prompt repeat it), then gather
         # its KV cache and last logits to every row that samples from it.
         first: dict[tuple[int, ...], int] = {}
         inv = torch.tensor([first.setdefault(tuple(p), len(first)) for _, p in rows], device=dev)
         uniq = list(first)
-        ids = torch.full((len(uniq), P), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(uniq), P), dtype=torch.long)
-        for u, p in enumerate(uniq):
-            ids[u, P - len(p) :] = torch.tensor(p)
-            mask[u, P - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = position_ids_from_mask(mask)
-        o = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = o.past_key_values, o.logits[:, -1]
+        mask, pos, cache, logits = prefill(self.model, uniq, self.pad_token_id, dev)
         if len(uniq) < B:
             cache.batch_select_indices(inv)
             logits, mask, pos = logits[inv], mask[inv], pos[inv]

@@ -46,7 +46,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
+from trainers.engines.base import Generation, SamplingParams
 
 __all__ = [
     "HFRequestEngine",
@@ -334,7 +334,7 @@ class HFRequestEngine(_RequestEngineBase):
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        from trainers.engines.hf_rollout import decode_step, sample_tokens
+        from trainers.engines.hf_rollout import decode_step, prefill, sample_tokens
 
         if not self._running:
             return []
@@ -348,16 +348,7 @@ class HFRequestEngine(_RequestEngineBase):
         stop_t = torch.tensor(stop, dtype=torch.long, device=dev)
         B = len(rows)
         prefixes = [list(r.prompt_ids) + list(r.token_ids) for r in rows]
-        P = max(len(x) for x in prefixes)
-        ids = torch.full((B, P), eng.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
-        for b, x in enumerate(prefixes):
-            ids[b, P - len(x) :] = torch.tensor(x)
-            mask[b, P - len(x) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = position_ids_from_mask(mask)
-        o = eng.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = o.past_key_values, o.logits[:, -1]
+        mask, pos, cache, logits = prefill(eng.model, prefixes, eng.pad_token_id, dev)
         budget = torch.tensor([min(r.remaining, self.chunk_tokens) for r in rows], device=dev)
         K = int(budget.max())
         toks = torch.full((B, K), eng.pad_token_id, dtype=torch.long, device=dev)
