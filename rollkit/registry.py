@@ -113,6 +113,31 @@ class Entry:
         """
         return [a for a, required in self.tensor_args().items() if required and a not in self.in_keys]
 
+    def call(self, available: Mapping[str, Any], /, **kwargs: Any) -> Any:
+        """Call ``fn`` with the tensors of ``available`` (batch key -> tensor) that its
+        ``in_keys`` name, plus the hyper-parameters ``kwargs``.
+
+        A key missing from ``available`` (or mapped to ``None``) leaves an optional argument at
+        its default; a required argument without a tensor raises ``ValueError`` naming it.
+
+        >>> e = Entry("f", lambda rewards, mask=None, *, scale=1.0: rewards * scale,
+        ...           {"rewards": "rewards", "mask": "response_mask"})
+        >>> e.call({"rewards": 2.0, "unused": 0}, scale=3.0)
+        6.0
+        >>> e.call({"mask": 1})
+        Traceback (most recent call last):
+        ...
+        ValueError: f: no tensor for the required argument(s) ['rewards'] (in_keys {'rewards': 'rewards', 'mask': 'response_mask'}; available: ['mask'])
+        """
+        args = {a: available[k] for a, k in self.in_keys.items() if available.get(k) is not None}
+        missing = [a for a, required in self.tensor_args().items() if required and a not in args]
+        if missing:
+            raise ValueError(
+                f"{self.name}: no tensor for the required argument(s) {missing} (in_keys "
+                f"{dict(self.in_keys)}; available: {sorted(k for k, v in available.items() if v is not None)})"
+            )
+        return self.fn(**args, **kwargs)
+
 
 class Registry:
     """A named collection of primitives of one kind (``"advantage estimator"``, ...)."""
