@@ -10,14 +10,28 @@ Use them in your own tests of loss math::
         out = my_loss(b["logprobs"], b["old_logprobs"], b["advantages"], b["response_mask"])
         assert torch.isfinite(out).all()
 
-Everything generated is *valid* input (bool masks, finite floats under the mask, int group
-ids); ragged masks (including fully masked rows and interior holes, as in multi-turn) and
-arbitrary group ids (any order, any sizes, singletons) are always drawn, extreme magnitudes
-only with ``extreme=True``, and NaN / ``+-inf`` at the masked-out positions of the ``[B, T]``
-float tensors only with ``garbage_padding=True`` (valid input too: rollkit ignores whatever
-lies under a False mask, and these strategies let property tests check that it does). Requires the
-``hypothesis`` package (the ``dev`` extra); importing this module without it raises a clear
-error.
+By default everything generated is *valid* input (bool masks, finite floats under the mask,
+int group ids, CPU tensors, ``T >= 1``); ragged masks (including fully masked rows and
+interior holes, as in multi-turn) and arbitrary group ids (any order, any sizes, singletons)
+are always drawn. Opt-in parameters reach the edges:
+
+=======================  ===================================================================
+parameter                draws
+=======================  ===================================================================
+``extreme=True``         magnitudes up to ``1e6`` and down to ``1e-6`` (rewards, advantages)
+``huge=True``            magnitudes up to ``1e38`` and down to ``1e-30`` (float32 squares
+                         overflow above ``1.8e19``), for rewards and advantages
+``garbage_padding=True`` NaN / ``+-inf`` at the masked-out positions of the ``[B, T]`` float
+                         keys (valid input: rollkit ignores what lies under a False mask)
+``nonfinite=...``        NaN / ``+-inf`` at *valid* positions (invalid input: for tests of
+                         the documented error or propagation), at least one per chosen key
+``min_len=0``            ``T = 0`` (empty responses); ``min_batch=0``: ``B = 0``
+``device=...``           every tensor on that device (``"meta"`` for shape inference,
+                         ``"cuda"``)
+=======================  ===================================================================
+
+Requires the ``hypothesis`` package (the ``dev`` extra); importing this module without it
+raises a clear error.
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the dev ex
     raise ImportError(
         "rollkit.testing needs hypothesis: pip install 'rollkit[dev]' (or pip install hypothesis)"
     ) from e
+
+from collections.abc import Sequence
 
 import torch
 
@@ -65,15 +81,16 @@ def masks(
     """A ``[batch, length]`` bool response mask, right-padded with ragged lengths.
 
     ``holes=True`` also clears interior positions (environment / tool tokens in multi-turn).
-    Unless ``allow_empty_rows``, every row keeps at least one token. At least ``min_tokens``
-    tokens are selected in the whole mask (``0`` allows an all-False mask).
+    Unless ``allow_empty_rows``, every row keeps at least one token (rows of ``length = 0``
+    have none to keep). At least ``min_tokens`` tokens are selected in the whole mask (``0``
+    allows an all-False mask; pass ``0`` with ``length = 0`` or ``batch = 0``).
     """
-    lo = 0 if allow_empty_rows else 1
+    lo = 0 if allow_empty_rows and length > 0 else min(1, length)
     lens = draw(st.lists(st.integers(lo, length), min_size=batch, max_size=batch))
-    m = torch.arange(length).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    m = torch.arange(length).unsqueeze(0) < torch.tensor(lens, dtype=torch.int64).unsqueeze(1)
     if holes and length > 1:
         flat = draw(st.lists(st.booleans(), min_size=batch * length, max_size=batch * length))
-        hole = torch.tensor(flat).reshape(batch, length)
+        hole = torch.tensor(flat, dtype=torch.bool).reshape(batch, length)
         # keep the first token of each row so that a non-empty row stays non-empty
         hole[:, 0] = False
         m = m & ~hole
@@ -96,7 +113,7 @@ def group_ids(draw, batch: int, *, max_groups: int | None = None, min_group_size
             f"min_group_size: {min_group_size} is larger than the batch ({batch}); no grouping has "
             f"groups of at least {min_group_size} members"
         )
-    max_groups = max_groups or batch
+    max_groups = max(max_groups or batch, 1)
     labels = draw(st.lists(st.integers(0, max_groups - 1), min_size=batch, max_size=batch))
     if min_group_size > 1:
         k = max(1, batch // min_group_size)
@@ -111,12 +128,33 @@ def group_ids(draw, batch: int, *, max_groups: int | None = None, min_group_size
     return torch.tensor([offset + stride * lab for lab in labels], dtype=torch.int64)
 
 
+_EXTREME = (1e6, -1e6, 1e3, -1e3, 1e-6, -1e-6, 0.0)
+# float32-representable; squares overflow float32 above ~1.8e19, and 1e-30 squared underflows
+_HUGE = (1e38, -1e38, 3e30, -3e30, 1e30, -1e30, 1e20, -1e20, 1e-30, -1e-30, 0.0)
+_NONFINITE = (float("nan"), float("inf"), float("-inf"))
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to float32 (what ``torch.tensor(v, dtype=torch.float32)`` holds)."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+def _f32_inward(low: float, high: float) -> tuple[float, float]:
+    """The float32 values nearest to ``[low, high]`` inside it (hypothesis needs bounds that
+    float32 represents exactly, e.g. ``1e30`` is not)."""
+    lo, hi = torch.tensor([low, high], dtype=torch.float32)
+    if float(lo) < low:
+        lo = torch.nextafter(lo, torch.tensor(float("inf")))
+    if float(hi) > high:
+        hi = torch.nextafter(hi, torch.tensor(float("-inf")))
+    return float(lo), float(hi)
+
+
 def _floats(low: float, high: float):
     # No subnormals: their arithmetic is platform-dependent (GPUs and many CPU builds flush them
     # to zero), and squaring one underflows, so no rollkit statistic can promise anything there.
-    return st.floats(
-        low, high, allow_nan=False, allow_infinity=False, allow_subnormal=False, width=32
-    )
+    low, high = _f32_inward(low, high)
+    return st.floats(low, high, allow_nan=False, allow_infinity=False, allow_subnormal=False, width=32)
 
 
 @st.composite
@@ -127,33 +165,63 @@ def float_tensors(
     min_value: float = -10.0,
     max_value: float = 10.0,
     extreme: bool = False,
+    huge: bool = False,
     dtype: torch.dtype = torch.float32,
     mask: torch.Tensor | None = None,
     garbage_padding: bool = False,
+    nonfinite: bool = False,
+    device: torch.device | str | None = None,
 ):
     """A finite float tensor of ``shape``. ``extreme=True`` also draws magnitudes up to 1e6
-    and tiny values near 1e-6, clipped to ``[min_value, max_value]`` when those are tighter.
+    and tiny values near 1e-6, ``huge=True`` magnitudes up to 1e38 and down to 1e-30; both are
+    clipped to ``[min_value, max_value]`` (widen those to reach them).
 
     ``garbage_padding=True`` (needs a bool ``mask`` of ``shape``) replaces every entry where
     ``mask`` is False by a drawn NaN, ``+inf`` or ``-inf``; the selected entries stay finite.
+    ``nonfinite=True`` puts a drawn NaN / ``+inf`` / ``-inf`` at one or more *selected*
+    entries (where ``mask`` is True, or anywhere without a mask; none if nothing is selected):
+    invalid input, for tests of errors and NaN propagation. ``device`` moves the result there
+    (``"meta"`` keeps only the shape).
     """
     n = 1
     for s in shape:
         n *= s
     elems = _floats(min_value, max_value)
-    if extreme:
-        big = [v for v in (1e6, -1e6, 1e3, -1e3, 1e-6, -1e-6, 0.0) if min_value <= v <= max_value]
-        elems = st.one_of(elems, st.sampled_from(big)) if big else elems
+    special = [
+        v
+        for v in (*(_EXTREME if extreme else ()), *(_HUGE if huge else ()))
+        if min_value <= _f32(v) <= max_value
+    ]
+    if special:
+        elems = st.one_of(elems, st.sampled_from(special))
     values = draw(st.lists(elems, min_size=n, max_size=n))
     out = torch.tensor(values, dtype=dtype).reshape(shape)
+    if garbage_padding or nonfinite:
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape)):
+            raise ValueError(f"mask: expected a bool mask of shape {list(shape)}")
     if garbage_padding:
-        if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != tuple(shape):
+        if mask is None:
             raise ValueError(f"mask: garbage_padding=True needs a bool mask of shape {list(shape)}")
         out = _garbage_under(draw, out, mask)
-    return out
+    if nonfinite:
+        out = _nonfinite_at(draw, out, torch.ones(shape, dtype=torch.bool) if mask is None else mask)
+    return out if device is None else out.to(device)
 
 
 _GARBAGE = (float("nan"), float("inf"), float("-inf"))
+
+
+def _nonfinite_at(draw, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with a drawn NaN / +inf / -inf at one or more positions where ``mask`` is True
+    (``x`` itself if there is none)."""
+    where = mask.reshape(-1).nonzero().reshape(-1).tolist()
+    if not where:
+        return x
+    picked = draw(st.lists(st.sampled_from(where), min_size=1, max_size=len(where), unique=True))
+    bad = draw(st.lists(st.sampled_from(_NONFINITE), min_size=len(picked), max_size=len(picked)))
+    out = x.clone()
+    out.view(-1)[torch.tensor(picked, dtype=torch.int64)] = torch.tensor(bad, dtype=x.dtype)
+    return out
 
 
 def _garbage_under(draw, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -167,18 +235,53 @@ def _garbage_under(draw, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rewards(batch: int, *, binary: bool = False, extreme: bool = False):
-    """``[batch]`` sequence rewards: 0/1 accuracies (``binary``) or finite floats."""
+def _bound(extreme: bool, huge: bool, default: float) -> float:
+    """The magnitude bound of rewards / advantages: wide enough for the opted-in values."""
+    return float(torch.finfo(torch.float32).max) if huge else (1e6 if extreme else default)
+
+
+def rewards(
+    batch: int,
+    *,
+    binary: bool = False,
+    extreme: bool = False,
+    huge: bool = False,
+    nonfinite: bool = False,
+    device: torch.device | str | None = None,
+):
+    """``[batch]`` sequence rewards: 0/1 accuracies (``binary``) or finite floats in
+    ``[-100, 100]``; ``extreme=True`` widens the range to ``1e6`` (and draws ``1e6``, ``1e-6``,
+    ...), ``huge=True`` to float32's (drawing ``1e30``, ``1e38``, ``1e-30``, ...).
+    ``nonfinite=True`` puts NaN / ``+-inf`` in at least one entry (when ``batch > 0``)."""
     if binary:
-        return st.lists(st.sampled_from([0.0, 1.0]), min_size=batch, max_size=batch).map(
+        out = st.lists(st.sampled_from([0.0, 1.0]), min_size=batch, max_size=batch).map(
             lambda v: torch.tensor(v, dtype=torch.float32)
         )
-    return float_tensors((batch,), min_value=-100.0, max_value=100.0, extreme=extreme)
+        if nonfinite:
+            raise ValueError("nonfinite: binary rewards are 0/1; draw float rewards (binary=False)")
+        return out if device is None else out.map(lambda t: t.to(device))
+    bound = _bound(extreme, huge, 100.0)
+    return float_tensors(
+        (batch,),
+        min_value=-bound,
+        max_value=bound,
+        extreme=extreme,
+        huge=huge,
+        nonfinite=nonfinite,
+        device=device,
+    )
 
 
-def logprob_tensors(shape: tuple[int, ...], *, min_value: float = -20.0):
-    """Log-probabilities: finite values in ``[min_value, 0]``."""
-    return float_tensors(shape, min_value=min_value, max_value=0.0)
+def logprob_tensors(
+    shape: tuple[int, ...],
+    *,
+    min_value: float = -20.0,
+    nonfinite: bool = False,
+    device: torch.device | str | None = None,
+):
+    """Log-probabilities: finite values in ``[min_value, 0]`` (``nonfinite=True``: NaN /
+    ``+-inf`` at one or more entries)."""
+    return float_tensors(shape, min_value=min_value, max_value=0.0, nonfinite=nonfinite, device=device)
 
 
 @st.composite
@@ -194,6 +297,10 @@ def batches(
     max_log_ratio: float = 2.0,
     extreme: bool = False,
     garbage_padding: bool = False,
+    min_len: int = 1,
+    huge: bool = False,
+    nonfinite: bool | Sequence[str] = False,
+    device: torch.device | str | None = None,
 ):
     """A dict with every standard key of :mod:`rollkit.keys` (see its table for shapes).
 
@@ -203,20 +310,29 @@ def batches(
     set it on ``logprobs`` where a test needs the gradient.
 
     ``extreme=True`` draws ``advantages`` and ``rewards`` with magnitudes up to 1e6 and down
-    to 1e-6 (the log-probabilities are unaffected). ``garbage_padding=True`` puts NaN / ``+inf``
-    / ``-inf`` at every masked-out position of the ``[B, T]`` float keys (``logprobs``,
-    ``old_logprobs``, ``behavior_logprobs``, ``ref_logprobs``, ``values``, ``advantages``,
-    ``token_rewards``), so that a property test catches any mask leak in value or gradient.
+    to 1e-6, ``huge=True`` up to 1e38 and down to 1e-30 (the log-probabilities are
+    unaffected). ``garbage_padding=True`` puts NaN / ``+inf`` / ``-inf`` at every masked-out
+    position of the ``[B, T]`` float keys (``logprobs``, ``old_logprobs``,
+    ``behavior_logprobs``, ``ref_logprobs``, ``values``, ``advantages``, ``token_rewards``), so
+    that a property test catches any mask leak in value or gradient.
+
+    ``nonfinite`` (``True`` for all the float keys, or a sequence of key names) puts NaN /
+    ``+-inf`` at one or more *valid* positions of each chosen key (``rewards``: any entry),
+    whenever the mask has a valid position: invalid input, to test the documented error or
+    propagation. Find them with ``~torch.isfinite(b[key]) & b["response_mask"]``.
+    ``min_len=0`` (``min_batch=0``) allows ``T = 0`` (``B = 0``). ``device`` moves every tensor
+    there (``"meta"``: shapes only).
     """
-    B, T = draw(shapes(min_batch=min_batch, max_batch=max_batch, max_len=max_len))
-    mask = draw(masks(B, T, holes=holes, allow_empty_rows=allow_empty_rows))
+    B, T = draw(shapes(min_batch=min_batch, max_batch=max_batch, min_len=min_len, max_len=max_len))
+    mask = draw(masks(B, T, holes=holes, allow_empty_rows=allow_empty_rows, min_tokens=min(1, B * T)))
     lp = draw(logprob_tensors((B, T)))
 
     def near(x):
         d = draw(float_tensors((B, T), min_value=-max_log_ratio, max_value=max_log_ratio))
         return (x + d).clamp(max=0.0)
 
-    adv_seq = draw(float_tensors((B,), min_value=-5.0, max_value=5.0, extreme=extreme))
+    bound = _bound(extreme, huge, 5.0)
+    adv_seq = draw(float_tensors((B,), min_value=-bound, max_value=bound, extreme=extreme, huge=huge))
     out = {
         "response_mask": mask,
         "logprobs": lp,
@@ -225,7 +341,7 @@ def batches(
         "ref_logprobs": near(lp),
         "values": draw(float_tensors((B, T), min_value=-5.0, max_value=5.0)),
         "advantages": torch.where(mask, adv_seq[:, None].expand(B, T), torch.zeros(())),
-        "rewards": draw(rewards(B, binary=binary_rewards, extreme=extreme)),
+        "rewards": draw(rewards(B, binary=binary_rewards, extreme=extreme, huge=huge)),
         "token_rewards": draw(float_tensors((B, T), min_value=-1.0, max_value=1.0)) * mask,
         "group_ids": draw(group_ids(B)),
         "policy_version": torch.tensor(
@@ -235,6 +351,16 @@ def batches(
     if garbage_padding:
         for key in _TOKEN_FLOAT_KEYS:
             out[key] = _garbage_under(draw, out[key], mask)
+    chosen = (*_TOKEN_FLOAT_KEYS, "rewards") if nonfinite is True else tuple(nonfinite or ())
+    for key in chosen:
+        if key not in _TOKEN_FLOAT_KEYS and key != "rewards":
+            raise ValueError(
+                f"nonfinite: {key!r} is not a float key; choose from {[*_TOKEN_FLOAT_KEYS, 'rewards']}"
+            )
+        valid = torch.ones(B, dtype=torch.bool) if key == "rewards" else mask
+        out[key] = _nonfinite_at(draw, out[key], valid)
+    if device is not None:
+        out = {k: v.to(device) for k, v in out.items()}
     return out
 
 

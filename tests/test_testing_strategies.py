@@ -119,3 +119,73 @@ def test_garbage_padding_reaches_nan_and_both_infinities():
             pass
 
         bad()
+
+
+# --------------------------------------------------------------------------- opt-in edges (issue 14)
+
+
+def test_opt_in_parameters_reach_the_edges():
+    from rollkit.testing import rewards
+
+    seen = set()
+
+    @settings(max_examples=300, derandomize=True)
+    @given(st.data())
+    def probe(data):
+        b = data.draw(batches(min_len=0, min_batch=0, huge=True))
+        B, T = b["response_mask"].shape
+        check_batch(b, list(b))
+        seen.add("T=0") if T == 0 else None
+        seen.add("B=0") if B == 0 else None
+        mags = torch.cat([b["rewards"].abs(), b["advantages"].abs().reshape(-1)])
+        assert torch.isfinite(mags).all()
+        if (mags >= 1e30).any():
+            seen.add("huge")
+        if ((mags > 0) & (mags <= 1e-29)).any():
+            seen.add("tiny")
+        r = data.draw(rewards(3, extreme=True))
+        if (r.abs() >= 1e6).any():
+            seen.add("extreme")  # extreme=True used to be clipped to +-100 for rewards
+
+    probe()
+    assert seen == {"T=0", "B=0", "huge", "tiny", "extreme"}, seen
+
+
+@given(batches(nonfinite=("advantages", "old_logprobs", "rewards")))
+def test_nonfinite_puts_values_only_at_valid_positions_of_the_chosen_keys(b):
+    m = b["response_mask"]
+    for key in ("advantages", "old_logprobs"):
+        x = b[key]
+        assert torch.isfinite(x[~m]).all(), key  # padding untouched
+        assert (~torch.isfinite(x[m])).any() == bool(m.any()), key
+    assert not torch.isfinite(b["rewards"]).all()
+    for key in ("logprobs", "values", "token_rewards", "ref_logprobs"):
+        assert torch.isfinite(b[key]).all(), key
+
+
+def test_nonfinite_reaches_nan_and_both_infinities_and_unknown_keys_raise():
+    import pytest
+
+    seen = set()
+
+    @settings(max_examples=100, derandomize=True)
+    @given(float_tensors((4,), nonfinite=True))
+    def probe(x):
+        assert not torch.isfinite(x).all()
+        for v in x[~torch.isfinite(x)].tolist():
+            seen.add("nan" if v != v else ("+inf" if v > 0 else "-inf"))
+
+    probe()
+    assert seen == {"nan", "+inf", "-inf"}
+
+    @given(batches(nonfinite=("group_ids",)))
+    def bad(b):
+        pass
+
+    with pytest.raises(ValueError, match="nonfinite: 'group_ids' is not a float key"):
+        bad()
+
+
+@given(batches(device="meta"))
+def test_device_moves_every_tensor(b):
+    assert all(v.is_meta for v in b.values())
