@@ -8,6 +8,17 @@ Masks are ``torch.bool`` tensors of the shape of the data. Conventions, used eve
   by ``n``. An unbiased variance needs ``n >= 2``.
 * Segment ops take ``index`` (``[B]`` int64 in ``[0, num_segments)``), as returned by
   :func:`group_index`, and reduce along dimension 0 with ``index_add_`` (no Python loops).
+  They check their arguments (an ``index`` out of range is a ``ValueError`` naming ``index``,
+  a value check skipped inside ``value_checks(False)``); rollkit's estimators call unchecked
+  private twins with indices they built themselves.
+* Squares are formed in the working dtype (float32 for float32 / 16-bit inputs): a deviation
+  above about ``1.8e19`` overflows a float32 variance; pass float64 for such magnitudes.
+  :func:`group_normalize` instead scales by the group's largest deviation before squaring,
+  so its result never overflows.
+* ``meta`` tensors: the masked reductions and segment ops run on ``meta`` (shape inference)
+  inside ``rollkit.validation.value_checks(False)``; with the checks on they raise a
+  ``ValueError`` naming the argument. :func:`group_index` reads the ids (``torch.unique``) and
+  refuses ``meta`` by name.
 """
 
 from __future__ import annotations
@@ -18,11 +29,14 @@ from torch import Tensor
 from rollkit.validation import (
     check_float,
     check_group_ids,
+    check_int,
+    check_int_tensor,
     check_mask,
     check_ndim,
     check_positive,
+    check_same_device,
     check_tensor,
-    value_checks_enabled,
+    values_readable,
 )
 
 __all__ = [
@@ -98,7 +112,7 @@ def masked_mean(
     count = _count(mask, dim, keepdim, total.dtype)
     empty = count == 0
     if empty_value is None:
-        if value_checks_enabled() and bool(empty.any()):
+        if values_readable("mask", mask) and bool(empty.any()):
             where = "" if dim is None else f" ({int(empty.sum())} empty slice(s) along dim={dim})"
             raise ValueError(f"mask: selects no elements{where}; a mean over nothing is undefined")
         return total / count.clamp(min=1)
@@ -131,7 +145,7 @@ def masked_var(
     ss = dev.square().sum() if dim is None else dev.square().sum(dim=dim, keepdim=keepdim)
     n = _count(mask, dim, keepdim, ss.dtype)
     need = 2 if unbiased else 1
-    if value_checks_enabled() and bool((n < need).any()):
+    if values_readable("mask", mask) and bool((n < need).any()):
         raise ValueError(
             f"mask: a {'n-1 (unbiased)' if unbiased else 'n (biased)'} variance needs at least "
             f"{need} selected elements per slice, got {int(n.min())}"
@@ -170,7 +184,8 @@ def masked_whiten(
     :func:`masked_mean`), so does a single selected entry with ``unbiased=True``.
 
     Args:
-        x: float tensor, any shape. mask: bool tensor of the same shape.
+        x: float tensor, any shape (an integer tensor is rejected: its whitened values are not
+            integers). mask: bool tensor of the same shape.
         eps: ``>= 0``, added to the variance.
 
     >>> y = masked_whiten(torch.tensor([1.0, 2.0, 3.0]), torch.ones(3, dtype=torch.bool))
@@ -179,14 +194,14 @@ def masked_whiten(
     >>> masked_whiten(torch.full((3,), 0.1), torch.ones(3, dtype=torch.bool)).tolist()
     [0.0, 0.0, 0.0]
     """
-    check_tensor("x", x)
+    check_float("x", x)
     check_mask("mask", mask, x, "x")
     check_positive("eps", eps, allow_zero=True)
     work = x if x.dtype in (torch.float64, torch.float32) else x.float()
     zero = torch.zeros((), dtype=work.dtype, device=work.device)
     count = mask.sum()
     need = 2 if unbiased else 1
-    if value_checks_enabled():
+    if values_readable("mask", mask):
         n_sel = int(count)  # the only host synchronisation
         if n_sel == 0:
             raise ValueError("mask: selects no elements; a mean over nothing is undefined")
@@ -226,8 +241,18 @@ def group_index(group_ids: Tensor) -> tuple[Tensor, int]:
     >>> group_index(torch.tensor([7, 3, 7, 9]))
     (tensor([1, 0, 1, 2]), 3)
     """
-    check_group_ids("group_ids", group_ids)
-    uniq, inverse = torch.unique(group_ids, sorted=True, return_inverse=True)
+    return _group_index(group_ids, "group_ids")
+
+
+def _group_index(ids: Tensor, name: str) -> tuple[Tensor, int]:
+    """:func:`group_index` of the argument ``name`` (named in the errors)."""
+    check_group_ids(name, ids)
+    if ids.is_meta:
+        raise ValueError(
+            f"{name}: is on the meta device; grouping reads the ids (torch.unique), so "
+            "group-wise primitives cannot run on meta"
+        )
+    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     return inverse, int(uniq.numel())
 
 
@@ -249,17 +274,50 @@ def _safe_sqrt(v: Tensor) -> Tensor:
     """``sqrt(v)`` for ``v >= 0`` with a finite gradient at ``v == 0`` (taken as 0 there).
 
     ``sqrt`` has an infinite derivative at 0, and ``torch.where`` backpropagates through its
-    unused branch (``0 * inf = NaN``): the square root is taken of 1 where ``v`` is 0.
+    unused branch (``0 * inf = NaN``): the square root is taken of 1 where ``v`` is 0. A NaN
+    ``v`` (from NaN data) gives NaN, never 0.
     """
-    pos = v > 0
-    return torch.where(pos, torch.where(pos, v, torch.ones_like(v)).sqrt(), torch.zeros_like(v))
+    zero = v == 0
+    return torch.where(zero, torch.zeros_like(v), torch.where(zero, torch.ones_like(v), v).sqrt())
+
+
+def _check_segments(name: str, x: Tensor, index: Tensor, num_segments: int) -> int:
+    """Validate the arguments of a segment op: ``x`` a tensor with ``x.shape[0]`` rows,
+    ``index`` a 1-D integer tensor of that length on ``x``'s device, ``num_segments`` an int
+    ``>= 0`` and (a value check, one host synchronisation) every index in
+    ``[0, num_segments)``. Returns ``num_segments`` as an int."""
+    check_tensor(name, x)
+    check_int_tensor("index", index)
+    check_ndim("index", index, 1)
+    g = check_int("num_segments", num_segments)
+    if g < 0:
+        raise ValueError(f"num_segments: must be >= 0, got {g}")
+    if x.ndim == 0 or index.shape[0] != x.shape[0]:
+        rows = "a 0-dim tensor" if x.ndim == 0 else f"{x.shape[0]} rows"
+        raise ValueError(f"index: has {index.shape[0]} entries but {name} has {rows}")
+    check_same_device("index", index, name, x)
+    if index.numel() and values_readable("index", index):
+        lo, hi = (int(v) for v in torch.aminmax(index))
+        if lo < 0 or hi >= g:
+            raise ValueError(f"index: must be in [0, num_segments) = [0, {g}), got values in [{lo}, {hi}]")
+    return g
 
 
 def segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     """``out[g] = sum_{i: index[i] == g} x[i]`` along dimension 0. Shape ``[G, *x.shape[1:]]``.
 
-    16-bit inputs are accumulated in float32 and the result cast back.
+    16-bit inputs are accumulated in float32 and the result cast back. An empty segment sums
+    to 0. ``index`` must be a ``[B]`` integer tensor in ``[0, num_segments)`` on ``x``'s
+    device (``ValueError`` naming the argument otherwise).
+
+    >>> segment_sum(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1, 0, 1]), 3)
+    tensor([2., 5., 0.])
     """
+    _check_segments("x", x, index, num_segments)
+    return _segment_sum(x, index, num_segments)
+
+
+def _segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     w = _work(x)
     out = torch.zeros((num_segments, *x.shape[1:]), dtype=w.dtype, device=x.device)
     return out.index_add(0, index, w).to(x.dtype)
@@ -273,17 +331,32 @@ def _segment_extreme(x: Tensor, index: Tensor, num_segments: int, reduce: str, f
 
 def segment_min(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     """Minimum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``+inf``."""
+    _check_segments("x", x, index, num_segments)
+    return _segment_min(x, index, num_segments)
+
+
+def _segment_min(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     return _segment_extreme(x, index, num_segments, "amin", float("inf"))
 
 
 def segment_max(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     """Maximum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``-inf``."""
+    _check_segments("x", x, index, num_segments)
+    return _segment_max(x, index, num_segments)
+
+
+def _segment_max(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     return _segment_extreme(x, index, num_segments, "amax", float("-inf"))
 
 
 def segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """Number of members of each segment, ``[G]``, counted exactly (in int64) and then cast to
     ``dtype`` (beware: a 16-bit ``dtype`` cannot hold every count above 256)."""
+    _check_segments("index", index, index, num_segments)
+    return _segment_count(index, num_segments, dtype)
+
+
+def _segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.float32) -> Tensor:
     ones = torch.ones(index.shape[0], dtype=torch.int64, device=index.device)
     counts = torch.zeros(num_segments, dtype=torch.int64, device=index.device).index_add_(0, index, ones)
     return counts.to(dtype)
@@ -291,10 +364,15 @@ def segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.f
 
 def segment_mean(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     """Mean of each segment, ``[G, ...]``; an empty segment gives 0 (16-bit: computed in float32)."""
+    _check_segments("x", x, index, num_segments)
+    return _segment_mean(x, index, num_segments)
+
+
+def _segment_mean(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     w = _work(x)
-    count = segment_count(index, num_segments, w.dtype)
+    count = _segment_count(index, num_segments, w.dtype)
     count = count.reshape(-1, *([1] * (x.ndim - 1)))
-    return (segment_sum(w, index, num_segments) / count.clamp(min=1)).to(x.dtype)
+    return (_segment_sum(w, index, num_segments) / count.clamp(min=1)).to(x.dtype)
 
 
 def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
@@ -302,20 +380,35 @@ def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) 
 
     ``unbiased=True`` divides by ``n - 1``; a segment with ``n <= 1`` then has variance 0 (a
     singleton has no spread to estimate), which is the convention the estimators document.
+    NaN / inf in a segment make its variance NaN (never a silent 0).
     """
+    _check_segments("x", x, index, num_segments)
+    return _segment_var(x, index, num_segments, unbiased=unbiased)
+
+
+def _segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
     w = _work(x)
-    mean = segment_mean(w, index, num_segments)
+    mean = _segment_mean(w, index, num_segments)
     dev2 = (w - mean.index_select(0, index)).square()
-    count = segment_count(index, num_segments, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+    count = _segment_count(index, num_segments, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
     denom = (count - 1) if unbiased else count
-    return (segment_sum(dev2, index, num_segments) / denom.clamp(min=1)).to(x.dtype)
+    return (_segment_sum(dev2, index, num_segments) / denom.clamp(min=1)).to(x.dtype)
 
 
 def segment_std(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
     """Standard deviation of each segment: ``sqrt(segment_var)`` (gradient 0, not NaN, where
-    the variance is 0)."""
+    the variance is 0; NaN where the variance is NaN).
+
+    >>> segment_std(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]), 2, unbiased=True)
+    tensor([1.4142, 0.0000])
+    """
+    _check_segments("x", x, index, num_segments)
+    return _segment_std(x, index, num_segments, unbiased=unbiased)
+
+
+def _segment_std(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
     w = _work(x)
-    return _safe_sqrt(segment_var(w, index, num_segments, unbiased=unbiased)).to(x.dtype)
+    return _safe_sqrt(_segment_var(w, index, num_segments, unbiased=unbiased)).to(x.dtype)
 
 
 def group_normalize(
@@ -343,21 +436,26 @@ def group_normalize(
     * a group whose values are all (bitwise) equal, and every singleton, gives exactly 0: the
       statistics are computed on ``x - min_g x``, which is exactly 0 there;
     * a spread of exactly 0 leaves ``x - mean_g`` unscaled (so ``eps = 0`` is allowed); an
-      unbiased std of a singleton counts as 0 spread, and so does a spread so small that its
-      square underflows (subnormal differences, e.g. below about 1e-19 in float32);
+      unbiased std of a singleton counts as 0 spread;
+    * no overflow or underflow: the sum of squares is taken of ``(x - mean_g) / m_g`` with
+      ``m_g`` the group's largest absolute deviation (a constant, detached), and
+      ``y = q / (std(q) + eps / m_g)`` with ``q = (x - mean_g) / m_g``, which is the formula
+      above; spreads of ``1e30`` in float32 or ``1e-30`` do not become 0 (a float32 square
+      overflows above about ``1.8e19``);
+    * NaN in a group makes that group's result NaN;
     * empty input gives empty output. Arithmetic is in the dtype of ``x`` for float32 /
       float64 (pass float64 for more precision) and in float32 for 16-bit inputs (the result
       is cast back to the dtype of ``x``).
 
-    Differentiable in ``x`` (nothing is detached), with finite gradients everywhere: where a
-    group's spread is exactly 0 (constant group, singleton) the result is the unscaled
-    ``x - mean_g`` and so is its gradient (a convention: the scaled map is not differentiable
-    there); the square root and the division are guarded so that no ``0 * inf`` reaches the
-    backward pass.
+    Differentiable in ``x`` (nothing is detached but ``m_g``, which cancels), with finite
+    gradients everywhere: where a group's spread is exactly 0 (constant group, singleton) the
+    result is the unscaled ``x - mean_g`` and so is its gradient (a convention: the scaled map
+    is not differentiable there); the square root and the division are guarded so that no
+    ``0 * inf`` reaches the backward pass.
 
     Args:
         x: ``[B, ...]`` float; statistics along dimension 0.
-        index: ``[B]`` int64 group of each row, in ``[0, num_groups)``.
+        index: ``[B]`` integer group of each row, in ``[0, num_groups)``, on ``x``'s device.
         num_groups: ``G``.
         scale: divide by ``std + eps`` (GRPO) or only centre (Dr.GRPO, ``F_norm = 1``).
         unbiased: Bessel-corrected std (``torch.std``'s default, used by verl and TRL).
@@ -370,24 +468,36 @@ def group_normalize(
     True
     >>> y[4:].tolist(), group_normalize(x, index, G, scale=False)[:4].tolist()
     ([0.0, 0.0, 0.0], [0.5, -0.5, -0.5, 0.5])
+    >>> y = group_normalize(torch.tensor([1e30, -1e30, 0.0]), torch.zeros(3, dtype=torch.long), 1)
+    >>> torch.allclose(y, torch.tensor([1.0, -1.0, 0.0]), atol=1e-6)    # float32 squares would overflow
+    True
     """
-    check_tensor("x", x)
     check_float("x", x)
-    check_ndim("index", index, 1)
-    if index.shape[0] != x.shape[0]:
-        raise ValueError(f"index: has {index.shape[0]} entries but x has {x.shape[0]} rows")
+    _check_segments("x", x, index, num_groups)
     check_positive("eps", eps, allow_zero=True)
+    return _group_normalize(x, index, num_groups, scale=scale, unbiased=unbiased, eps=eps)
+
+
+def _group_normalize(
+    x: Tensor, index: Tensor, num_groups: int, *, scale: bool, unbiased: bool, eps: float
+) -> Tensor:
+    """:func:`group_normalize` without the argument checks (``index`` built by the caller)."""
     w = _work(x)
-    d = w - segment_min(w, index, num_groups).index_select(0, index)  # >= 0, 0 in constant groups
-    centred = d - segment_mean(d, index, num_groups).index_select(0, index)
+    d = w - _segment_min(w, index, num_groups).index_select(0, index)  # >= 0, 0 in constant groups
+    centred = d - _segment_mean(d, index, num_groups).index_select(0, index)
     if not scale:
         return centred.to(x.dtype)
-    count = segment_count(index, num_groups, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+    # scale by the largest deviation before squaring: q in [-1, 1], sum q^2 in [1, n]
+    m = _segment_max(centred.detach().abs(), index, num_groups)
+    pos = m > 0  # False for constant groups and singletons (centred is exactly 0 there)
+    m = torch.where(pos, m, torch.ones_like(m))
+    q = centred / m.index_select(0, index)
+    count = _segment_count(index, num_groups, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
     denom = (count - 1) if unbiased else count
-    std = _safe_sqrt(segment_sum(centred.square(), index, num_groups) / denom.clamp(min=1))
-    std = std.index_select(0, index)
-    pos = std > 0
-    y = torch.where(pos, centred / torch.where(pos, std + eps, torch.ones_like(std)), centred)
+    std_q = _safe_sqrt(_segment_sum(q.square(), index, num_groups) / denom.clamp(min=1))
+    den = (std_q + eps / m).index_select(0, index)
+    pos = pos.index_select(0, index)
+    y = torch.where(pos, q / torch.where(pos, den, torch.ones_like(den)), centred)
     return y.to(x.dtype)
 
 

@@ -1,18 +1,28 @@
 """Input validation that fails early with a message naming the argument and the problem.
 
 Every check raises :class:`ValueError` (never ``AssertionError``) and never modifies its input.
-Shape and dtype checks are free (metadata only). Value checks (NaN/inf, empty masks) read the
-data, which costs a device synchronisation on a GPU; they can be switched off in a hot loop
-with :func:`value_checks`::
+Shape, dtype and device checks are free (metadata only); the type of a scalar hyper-parameter
+is checked before its value, so ``eps="x"`` names ``eps`` instead of failing inside a
+comparison. Value checks (NaN/inf, empty masks, index ranges) read the data, which costs a
+device synchronisation on a GPU; they can be switched off in a hot loop with
+:func:`value_checks`::
 
     with rollkit.validation.value_checks(False):
         adv = grpo_advantages(rewards, group_ids)
+
+Tensors on the ``meta`` device have no values: a value check that meets one raises a
+``ValueError`` naming the argument (:func:`values_readable`). Inside ``value_checks(False)``
+nothing is read, so the primitives whose arithmetic is data-independent run on ``meta`` for
+shape inference; the ones that must read data (grouping by id) refuse it by name (see
+``docs/concepts.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
+import numbers
 import operator
 from collections.abc import Iterator, Sequence
 
@@ -43,6 +53,20 @@ def value_checks_enabled() -> bool:
     return _VALUE_CHECKS.get()
 
 
+def values_readable(name: str, x: Tensor) -> bool:
+    """Whether a value check of ``x`` (argument ``name``) should run: False inside
+    ``value_checks(False)``; raises ``ValueError`` naming the argument if ``x`` is on the
+    ``meta`` device (it has no values to check). The guard of every data-reading check."""
+    if not value_checks_enabled():
+        return False
+    if isinstance(x, Tensor) and x.is_meta:
+        raise ValueError(
+            f"{name}: is on the meta device, whose values cannot be checked; run under "
+            "rollkit.validation.value_checks(False) for shape inference"
+        )
+    return True
+
+
 def _shape(x: Tensor) -> tuple[int, ...]:
     return tuple(x.shape)
 
@@ -71,11 +95,20 @@ def check_shape(name: str, x: Tensor, shape: Sequence[int | None]) -> None:
         raise ValueError(f"{name}: expected shape {want}, got {list(x.shape)}")
 
 
+def check_same_device(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
+    """Raise unless ``x`` is on the device of ``ref`` (torch would fail inside an op, or, for
+    some ops with a ``meta`` index, silently return uninitialised memory)."""
+    check_tensor(name, x)
+    if x.device != ref.device:
+        raise ValueError(f"{name}: is on device {x.device} but {ref_name} is on {ref.device}")
+
+
 def check_same_shape(name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
-    """Raise unless ``x`` has the shape of ``ref``."""
+    """Raise unless ``x`` has the shape of ``ref`` and is on its device."""
     check_tensor(name, x)
     if x.shape != ref.shape:
         raise ValueError(f"{name}: shape {list(x.shape)} does not match {ref_name} shape {list(ref.shape)}")
+    check_same_device(name, x, ref_name, ref)
 
 
 def check_float(name: str, x: Tensor) -> None:
@@ -86,7 +119,7 @@ def check_float(name: str, x: Tensor) -> None:
 
 
 def check_mask(name: str, mask: Tensor, like: Tensor | None = None, like_name: str = "") -> None:
-    """Raise unless ``mask`` is a bool tensor (of the shape of ``like`` when given).
+    """Raise unless ``mask`` is a bool tensor (of the shape and device of ``like`` when given).
 
     Masks must be ``torch.bool``: a float or int mask is ambiguous (weights? 0/1?) and is
     rejected rather than guessed at. Convert with ``mask.bool()``.
@@ -101,7 +134,7 @@ def check_mask(name: str, mask: Tensor, like: Tensor | None = None, like_name: s
 def check_finite(name: str, x: Tensor) -> None:
     """Raise if ``x`` holds NaN or +/-inf (skipped inside ``value_checks(False)``)."""
     check_tensor(name, x)
-    if not value_checks_enabled() or not x.is_floating_point():
+    if not x.is_floating_point() or not values_readable(name, x):
         return
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
@@ -131,13 +164,13 @@ def check_finite_under_mask(name: str, x: Tensor, mask: Tensor) -> None:
     """
     check_tensor(name, x)
     check_mask("mask", mask, x, name)
-    if value_checks_enabled():
+    if values_readable(name, x) and values_readable("mask", mask):
         check_finite(name, torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)))
 
 
 def check_nonempty(name: str, mask: Tensor) -> None:
     """Raise if ``mask`` selects nothing (skipped inside ``value_checks(False)``)."""
-    if not value_checks_enabled():
+    if not values_readable(name, mask):
         return
     if mask.numel() == 0 or not bool(mask.any()):
         raise ValueError(f"{name}: mask selects no elements; a mean over nothing is undefined")
@@ -154,12 +187,39 @@ def check_group_ids(name: str, group_ids: Tensor, batch_size: int | None = None)
         raise ValueError(f"{name}: has {group_ids.shape[0]} entries but the batch has {batch_size} samples")
 
 
+def check_real(name: str, value: object) -> float:
+    """Return a scalar hyper-parameter as a ``float``; raise unless it is a real number (int,
+    float, numpy scalar; not bool, not a tensor, not a string). NaN and inf pass: the value
+    checks that follow decide about them. The type check that every scalar check does first."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    """Raise unless a scalar hyper-parameter is > 0 (or >= 0)."""
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok or value != value:  # NaN fails too
+    """Raise unless a scalar hyper-parameter is a number > 0 (or >= 0); NaN fails."""
+    v = check_real(name, value)
+    ok = v >= 0 if allow_zero else v > 0
+    if not ok:  # NaN fails too
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name}: must be {bound}, got {value}")
+
+
+def check_positive_int(name: str, value: object, *, allow_zero: bool = False) -> int:
+    """Return an integral hyper-parameter (a count, a length) as an ``int``; raise unless it is
+    an int, or a float with an integral value (``4096.0``), that is > 0 (or >= 0). Rejects
+    bool, NaN, inf, strings and tensors."""
+    if isinstance(value, float) or (
+        isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+    ):
+        v = check_real(name, value)
+        if not (math.isfinite(v) and v == int(v)):
+            raise ValueError(f"{name}: must be an integer, got {value}")
+        n = int(v)
+    else:
+        n = check_int(name, value)
+    check_positive(name, n, allow_zero=allow_zero)
+    return n
 
 
 def check_scalar(name: str, value: object) -> float:
@@ -202,8 +262,8 @@ def check_discount(name: str, value: object) -> float:
 
 
 def check_in_range(name: str, value: float, low: float, high: float) -> None:
-    """Raise unless ``low <= value <= high``."""
-    if not (low <= value <= high):
+    """Raise unless ``value`` is a number with ``low <= value <= high`` (NaN fails)."""
+    if not (low <= check_real(name, value) <= high):
         raise ValueError(f"{name}: must be in [{low}, {high}], got {value}")
 
 

@@ -367,3 +367,100 @@ def test_segment_statistics_of_16bit_input_are_the_float32_result_rounded(dtype)
         want = fn(x.float()).to(dtype).float()
         tol = torch.finfo(dtype).eps * want.abs() + torch.finfo(dtype).tiny
         assert ((got.float() - want).abs() <= tol).all(), (got, want)
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+def test_masked_whiten_rejects_integer_input():
+    with pytest.raises(ValueError, match=r"^x: expected a floating-point tensor, got dtype torch.int64$"):
+        masked_whiten(torch.tensor([1, 2, 3, 10]), torch.ones(4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    ("index", "num", "match"),
+    [
+        (
+            torch.tensor([0, 5, 1]),
+            2,
+            r"^index: must be in \[0, num_segments\) = \[0, 2\), got values in \[0, 5\]$",
+        ),
+        (
+            torch.tensor([0, -1, 1]),
+            2,
+            r"^index: must be in \[0, num_segments\) = \[0, 2\), got values in \[-1, 1\]$",
+        ),
+        (torch.tensor([0, 0, 0]), 0, r"^index: must be in \[0, num_segments\) = \[0, 0\)"),
+        (torch.tensor([0, 1]), 2, r"^index: has 2 entries but x has 3 rows$"),
+        (torch.tensor([0.0, 1.0, 1.0]), 2, r"^index: expected an integer tensor"),
+        (torch.tensor([0, 1, 1]), -1, r"^num_segments: must be >= 0, got -1$"),
+        (torch.tensor([0, 1, 1]), 2.0, r"^num_segments: expected an int, got float$"),
+    ],
+)
+def test_segment_ops_validate_index_and_num_segments(index, num, match):
+    from rollkit.ops import group_normalize, segment_max, segment_min
+
+    x = torch.ones(3)
+    for op in (segment_sum, segment_mean, segment_min, segment_max):
+        with pytest.raises(ValueError, match=match):
+            op(x, index, num)
+    with pytest.raises(ValueError, match=match):
+        segment_var(x, index, num, unbiased=True)
+    with pytest.raises(ValueError, match=match):
+        group_normalize(x, index, num)
+
+
+def test_segment_ops_on_another_device_or_meta():
+    x, index = torch.ones(3), torch.tensor([0, 1, 1])
+    with pytest.raises(ValueError, match=r"^index: is on device meta but x is on cpu$"):
+        segment_sum(x, index.to("meta"), 2)
+    with pytest.raises(ValueError, match=r"^index: is on the meta device"):
+        segment_sum(x.to("meta"), index.to("meta"), 2)  # the range check cannot read meta
+    with value_checks(False):  # shape inference
+        out = segment_std(x.to("meta"), index.to("meta"), 2, unbiased=True)
+    assert out.is_meta and out.shape == (2,)
+    with pytest.raises(ValueError, match=r"^group_ids: is on the meta device"):
+        group_index(torch.tensor([3, 1]).to("meta"))
+
+
+def test_segment_var_and_std_propagate_nan():
+    x, index = torch.tensor([float("nan"), 1.0, 2.0, 4.0]), torch.tensor([0, 0, 1, 1])
+    for unbiased in (True, False):
+        std = segment_std(x, index, 2, unbiased=unbiased)
+        assert torch.isnan(std[0]) and std[1].item() > 0
+        assert torch.isnan(segment_var(x, index, 2, unbiased=unbiased)[0])
+    # a singleton's unbiased std is still 0, a constant segment's 0 with a zero gradient
+    y = torch.tensor([5.0, 3.0, 3.0], requires_grad=True)
+    std = segment_std(y, torch.tensor([0, 1, 1]), 2, unbiased=True)
+    assert std.tolist() == [0.0, 0.0]
+    std.sum().backward()
+    assert y.grad.tolist() == [0.0, 0.0, 0.0]
+
+
+@given(st.data())
+def test_group_normalize_huge_and_tiny_values_match_float64(data):
+    """Float32 squares overflow above ~1.8e19 (a spread of 1e30 gave 0) and underflow below
+    ~1e-19: group_normalize scales by the largest deviation first."""
+    from rollkit.ops import group_normalize
+
+    B = data.draw(st.integers(1, 10))
+    x = data.draw(float_tensors((B,), min_value=-1e31, max_value=1e31, huge=True))
+    g, G = group_index(data.draw(group_ids(B)))
+    for unbiased in (True, False):
+        got = group_normalize(x, g, G, unbiased=unbiased, eps=0.0)
+        want = group_normalize(x.double(), g, G, unbiased=unbiased, eps=0.0)
+        # float32 arithmetic on values spanning 60 orders of magnitude: the mean's rounding
+        # is relative to the spread, so the error is absolute on the O(1) result
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
+        # and the float64 result is the plain formula (squares of 1e30 are fine in float64)
+        x64 = x.double()
+        for k in range(G):
+            sel = g == k
+            v = x64[sel]
+            if bool((v == v[0]).all()):
+                assert (want[sel] == 0).all()
+                continue
+            c = v - v.mean()
+            std = (c.square().sum() / (len(v) - (1 if unbiased else 0))).sqrt()
+            assert torch.allclose(want[sel], c / std, atol=1e-9, rtol=1e-9)

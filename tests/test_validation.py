@@ -197,3 +197,66 @@ def test_group_ids_rejects_complex(dtype):
 
     with pytest.raises(ValueError, match="group_ids: expected an integer tensor"):
         check_group_ids("group_ids", torch.zeros(3, dtype=dtype))
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+@pytest.mark.parametrize("bad", ["x", None, [1.0], True, torch.tensor(1.0)])
+def test_scalar_checks_check_the_type_before_comparing(bad):
+    from rollkit.validation import check_positive_int, check_real
+
+    kind = type(bad).__name__
+    with pytest.raises(ValueError, match=rf"^eps: expected a number, got {kind}$"):
+        check_positive("eps", bad, allow_zero=True)
+    with pytest.raises(ValueError, match=rf"^clip_low: expected a number, got {kind}$"):
+        check_in_range("clip_low", bad, 0.0, 1.0)
+    with pytest.raises(ValueError, match=r"^alpha: expected a number"):
+        check_real("alpha", bad)
+    with pytest.raises(ValueError, match=r"^norm_length: expected an? (int|number)"):
+        check_positive_int("norm_length", bad)
+
+
+def test_check_positive_int_accepts_integral_numbers_only():
+    import numpy as np
+
+    from rollkit.validation import check_positive_int
+
+    assert check_positive_int("n", 4096) == 4096
+    assert check_positive_int("n", 4096.0) == 4096
+    assert check_positive_int("n", np.int64(3)) == 3
+    assert check_positive_int("n", 0, allow_zero=True) == 0
+    for bad, match in (
+        (float("nan"), "must be an integer, got nan"),
+        (float("inf"), "must be an integer"),
+        (2.5, "must be an integer, got 2.5"),
+        (0, "must be > 0, got 0"),
+        (-1.0, "must be > 0"),
+    ):
+        with pytest.raises(ValueError, match=rf"^n: {match}"):
+            check_positive_int("n", bad)
+
+
+def test_same_shape_and_mask_checks_compare_devices():
+    cpu, meta = torch.zeros(2, 3), torch.zeros(2, 3, device="meta")
+    with pytest.raises(ValueError, match=r"^old_logprobs: is on device meta but logprobs is on cpu$"):
+        check_same_shape("old_logprobs", meta, "logprobs", cpu)
+    with pytest.raises(ValueError, match=r"^mask: is on device meta but logprobs is on cpu$"):
+        check_mask("mask", torch.ones(2, 3, dtype=torch.bool, device="meta"), cpu, "logprobs")
+
+
+def test_value_checks_refuse_meta_by_name_and_are_skipped_when_off():
+    from rollkit.validation import check_finite_under_mask, values_readable
+
+    x = torch.zeros(3, device="meta")
+    with pytest.raises(ValueError, match=r"^rewards: is on the meta device, whose values cannot be checked"):
+        check_finite("rewards", x)
+    with pytest.raises(ValueError, match=r"^response_mask: is on the meta device"):
+        check_nonempty("response_mask", torch.ones(3, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match=r"^values: is on the meta device"):
+        check_finite_under_mask("values", x, torch.ones(3, dtype=torch.bool, device="meta"))
+    with value_checks(False):
+        check_finite("rewards", x)
+        check_nonempty("response_mask", torch.ones(3, dtype=torch.bool, device="meta"))
+        assert not values_readable("rewards", x)
+    assert values_readable("rewards", torch.zeros(3))
