@@ -41,6 +41,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "Entry",
+    "UnknownNameError",
     "FILTERS",
     "IS_CORRECTIONS",
     "KL_ESTIMATORS",
@@ -52,6 +53,23 @@ __all__ = [
     "VALUE_LOSSES",
     "tensor_args",
 ]
+
+
+class UnknownNameError(ValueError, KeyError):
+    """A name that is not registered: a ``ValueError`` (rollkit's error for bad input) whose
+    one-line message names the argument and lists the valid names. It also subclasses
+    ``KeyError`` so that ``except KeyError`` written against older versions still catches it;
+    ``str()`` is the plain message (``KeyError`` would quote it).
+
+    >>> from rollkit.registry import POLICY_LOSSES
+    >>> POLICY_LOSSES.get("nope")    # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rollkit.registry.UnknownNameError: name: unknown policy loss 'nope'; known: cispo, ...
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -195,18 +213,21 @@ class Registry:
         self._loaded = True
 
     def entry(self, name: str) -> Entry:
-        """The :class:`Entry` registered under ``name`` (or an alias of it)."""
+        """The :class:`Entry` registered under ``name`` (or an alias of it); an unknown name
+        raises :class:`UnknownNameError` (a ``ValueError``, and a ``KeyError``) listing the
+        known names."""
         self._load()
-        key = self._aliases.get(name, name)
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(
-                f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self.names()))}"
-            ) from None
+        key = self._aliases.get(name, name) if isinstance(name, str) else name
+        entry = self._entries.get(key) if isinstance(key, str) else None
+        if entry is None:
+            raise UnknownNameError(
+                f"name: unknown {self.kind} {name!r}; known: {', '.join(sorted(self.names()))}"
+            )
+        return entry
 
     def get(self, name: str) -> Callable[..., Any]:
-        """The function registered under ``name``; ``KeyError`` lists the known names."""
+        """The function registered under ``name``; an unknown name raises
+        :class:`UnknownNameError` (a ``ValueError`` and a ``KeyError``) listing the known names."""
         return self.entry(name).fn
 
     def names(self) -> list[str]:

@@ -117,3 +117,22 @@ def test_registry_loads_after_a_transient_import_failure(monkeypatch):
         reg.names()
     reg.register("w", lambda: 1)
     assert reg.names() == ["w"] and len(calls) == 2
+
+
+def test_unknown_name_is_a_one_line_value_error_that_is_still_a_key_error():
+    from rollkit.registry import POLICY_LOSSES, UnknownNameError
+
+    reg = Registry("widget")
+    reg.register("a", lambda: 1, aliases=["x"])
+    reg.register("b", lambda: 2)
+    for bad in ("c", 3, None):
+        with pytest.raises(ValueError) as err:
+            reg.entry(bad)
+        assert isinstance(err.value, KeyError) and isinstance(err.value, UnknownNameError)
+        # KeyError's str() would quote the message: it is the plain one-line text
+        assert str(err.value) == f"name: unknown widget {bad!r}; known: a, b"
+        assert "\n" not in str(err.value)
+    with pytest.raises(KeyError):  # callers written against KeyError keep working
+        POLICY_LOSSES.get("nope")
+    with pytest.raises(ValueError, match=r"^name: unknown policy loss 'nope'; known: .*\bppo\b"):
+        POLICY_LOSSES.get("nope")
