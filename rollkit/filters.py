@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from rollkit import keys
-from rollkit.ops import group_index, segment_max, segment_mean, segment_min, segment_sum
+from rollkit.ops import _segment_max, _segment_mean, _segment_min, _segment_sum, group_index
 from rollkit.registry import FILTERS
 from rollkit.validation import (
     check_choice,
@@ -30,8 +30,9 @@ from rollkit.validation import (
     check_mask,
     check_ndim,
     check_positive,
+    check_same_device,
     check_scalar,
-    value_checks_enabled,
+    values_readable,
 )
 
 __all__ = [
@@ -84,11 +85,12 @@ def zero_variance_filter(
     """
     check_finite_float("rewards", rewards, ndim=1)
     check_group_ids("group_ids", group_ids, rewards.shape[0])
+    check_same_device("group_ids", group_ids, "rewards", rewards)
     atol = check_scalar("atol", atol)
     check_positive("atol", atol, allow_zero=True)
     index, num_groups = group_index(group_ids)
     r64 = rewards.to(torch.float64)
-    spread = segment_max(r64, index, num_groups) - segment_min(r64, index, num_groups)
+    spread = _segment_max(r64, index, num_groups) - _segment_min(r64, index, num_groups)
     return (spread > atol).index_select(0, index)
 
 
@@ -140,20 +142,21 @@ def accuracy_band_filter(
     if accuracy.is_complex():
         raise ValueError(f"accuracy: expected a real tensor, got dtype {accuracy.dtype}")
     check_group_ids("group_ids", group_ids, accuracy.shape[0])
+    check_same_device("group_ids", group_ids, "accuracy", accuracy)
     check_choice("inclusive", inclusive, ("both", "neither", "left", "right"))
     low = check_scalar("low", low)
     high = check_scalar("high", high)
     if not (0.0 <= low <= high <= 1.0):
         raise ValueError(f"low, high: must satisfy 0 <= low <= high <= 1, got low={low}, high={high}")
     acc = accuracy.to(torch.float64)
-    if value_checks_enabled() and acc.numel() > 0:
+    if acc.numel() > 0 and values_readable("accuracy", acc):
         check_finite("accuracy", acc)
         if bool(((acc < 0) | (acc > 1)).any()):
             raise ValueError(
                 f"accuracy: values must be in [0, 1], got min {float(acc.min())}, max {float(acc.max())}"
             )
     index, num_groups = group_index(group_ids)
-    p = segment_mean(acc, index, num_groups)
+    p = _segment_mean(acc, index, num_groups)
     above = p >= low if inclusive in ("both", "left") else p > low
     below = p <= high if inclusive in ("both", "right") else p < high
     return (above & below).index_select(0, index)
@@ -231,7 +234,7 @@ def staleness_filter(
     current_version = check_int("current_version", current_version)
     max_staleness = check_scalar("max_staleness", max_staleness)
     check_positive("max_staleness", max_staleness, allow_zero=True)
-    if policy_version.numel() > 0 and value_checks_enabled():
+    if policy_version.numel() > 0 and values_readable("policy_version", policy_version):
         newest = int(policy_version.max())
         if newest > current_version:
             raise ValueError(
@@ -292,8 +295,9 @@ def filter_metrics(keep: Tensor, group_ids: Tensor | None = None) -> dict[str, T
     }
     if group_ids is not None:
         check_group_ids("group_ids", group_ids, n)
+        check_same_device("group_ids", group_ids, "keep", keep)
         index, num_groups = group_index(group_ids)
-        kept_per_group = segment_sum(keep.to(torch.int64), index, num_groups)
+        kept_per_group = _segment_sum(keep.to(torch.int64), index, num_groups)
         g_kept = (kept_per_group > 0).sum()
         out["num_groups"] = torch.tensor(num_groups, dtype=torch.int64, device=keep.device)
         out["num_groups_kept"] = g_kept.detach()

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from rollkit import keys
-from rollkit.ops import group_index, group_normalize, segment_mean
+from rollkit.ops import _group_normalize, _segment_mean, group_index
 from rollkit.registry import REWARD_TRANSFORMS
 from rollkit.validation import (
     check_choice,
@@ -35,8 +35,9 @@ from rollkit.validation import (
     check_mask,
     check_ndim,
     check_positive,
+    check_same_device,
     check_scalar,
-    value_checks_enabled,
+    values_readable,
 )
 
 __all__ = [
@@ -117,16 +118,18 @@ def normalize_rewards(
         if group_ids is None:
             raise ValueError('group_ids: required when level="group"')
         check_group_ids("group_ids", group_ids, n_samples)
+        check_same_device("group_ids", group_ids, "rewards", rewards)
         index, num_groups = group_index(group_ids)
     else:
         if group_ids is not None:
             check_group_ids("group_ids", group_ids, n_samples)
+            check_same_device("group_ids", group_ids, "rewards", rewards)
         index = torch.zeros(n_samples, dtype=torch.long, device=rewards.device)
         num_groups = 1 if n_samples > 0 else 0
     x = rewards.to(torch.float64)
-    y = group_normalize(x, index, num_groups, scale=True, unbiased=unbiased_std, eps=eps)
+    y = _group_normalize(x, index, num_groups, scale=True, unbiased=unbiased_std, eps=eps)
     if not shift_mean:
-        y = y + segment_mean(x, index, num_groups).index_select(0, index)
+        y = y + _segment_mean(x, index, num_groups).index_select(0, index)
     return y.to(rewards.dtype)
 
 
@@ -207,8 +210,11 @@ class RunningRewardNormalizer:
         return self.var.sqrt()
 
     def update(self, rewards: Tensor) -> None:
-        """Merge the rewards of a batch (any shape, every entry counts) into the statistics."""
+        """Merge the rewards of a batch (any shape, every entry counts) into the statistics.
+        ``meta`` tensors are refused by name (the statistics are values)."""
         check_finite_float("rewards", rewards)
+        if rewards.is_meta:
+            raise ValueError("rewards: is on the meta device; running statistics need values")
         n_b = rewards.numel()
         if n_b == 0:
             return
@@ -387,7 +393,7 @@ def overlong_penalty(
     """
     check_ndim("lengths", lengths, 1)
     check_int_tensor("lengths", lengths)
-    if value_checks_enabled() and lengths.numel() > 0 and int(lengths.min()) < 0:
+    if lengths.numel() > 0 and values_readable("lengths", lengths) and int(lengths.min()) < 0:
         raise ValueError(f"lengths: must be >= 0, got min {int(lengths.min())}")
     max_length = check_int("max_length", max_length)
     cache_length = check_int("cache_length", cache_length)
@@ -439,4 +445,5 @@ def mask_truncated(
     check_mask("truncated", truncated)
     if truncated.shape[0] != mask.shape[0]:
         raise ValueError(f"truncated: has {truncated.shape[0]} entries but mask has {mask.shape[0]} rows")
+    check_same_device("truncated", truncated, "mask", mask)
     return mask & ~truncated.unsqueeze(-1)

@@ -70,8 +70,9 @@ SHIFT_INVARIANT = [
 ]
 
 
-def _loop_reference(r, g, *, mean_level, std_level, unbiased, eps, loo, loo_std):
-    """Per-sample Python reference in float64 (slow, obvious)."""
+def _loop_reference(r, g, *, mean_level, std_level, unbiased, eps, loo, loo_std, exact_zero=False):
+    """Per-sample Python reference in float64 (slow, obvious). ``exact_zero``: a spread is 0
+    only when the set's values are all equal (else below 1e-12)."""
     r = r.double().tolist()
     g = g.tolist()
     out = []
@@ -93,16 +94,23 @@ def _loop_reference(r, g, *, mean_level, std_level, unbiased, eps, loo, loo_std)
             continue
         if std_level == "batch":
             var = batch_var
+            pool = r
         elif loo_std:
             m = len(others)
             mo = sum(others) / m if m else 0.0
             ss = sum((x - mo) ** 2 for x in others)
             var = ss / max(m - (1 if unbiased else 0), 1) if m > 1 else 0.0
+            pool = others or [0.0]
         else:
             mg = sum(members) / n
             var = sum((x - mg) ** 2 for x in members) / max(n - (1 if unbiased else 0), 1)
+            pool = members
         std = math.sqrt(var)
-        out.append(a / (std + eps) if std > 1e-12 else a)
+        if exact_zero:
+            spread = std > 0 and max(pool) != min(pool) and not (unbiased and len(pool) < 2)
+        else:
+            spread = std > 1e-12
+        out.append(a / (std + eps) if spread else a)
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -663,3 +671,113 @@ def test_16bit_rewards_give_the_float32_result_rounded(name, dtype):
     got = fn(r, g)
     assert got.dtype == dtype
     assert _within_one_ulp(got, fn(r.float(), g)), name
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+@st.composite
+def huge_grouped(draw, max_batch=12):
+    b = draw(st.integers(1, max_batch))
+    return draw(rewards(b, huge=True)), draw(group_ids(b))
+
+
+_HUGE_CONFIGS = {
+    "grpo": dict(mean_level="group", std_level="group", unbiased=True, eps=1e-6, loo=False, loo_std=False),
+    "grpo-biased": dict(
+        mean_level="group", std_level="group", unbiased=False, eps=0.0, loo=False, loo_std=False
+    ),
+    "dr-grpo": dict(mean_level="group", std_level=None, unbiased=True, eps=1e-6, loo=False, loo_std=False),
+    "lite-ppo": dict(
+        mean_level="group", std_level="batch", unbiased=True, eps=1e-6, loo=False, loo_std=False
+    ),
+    "batch": dict(mean_level="batch", std_level="batch", unbiased=True, eps=1e-6, loo=False, loo_std=False),
+    "rloo": dict(mean_level="group", std_level=None, unbiased=True, eps=1e-6, loo=True, loo_std=False),
+    "rloo-std": dict(mean_level="group", std_level="group", unbiased=True, eps=1e-6, loo=True, loo_std=False),
+}
+
+
+@given(rg=huge_grouped())
+def test_huge_and_tiny_rewards_match_the_float64_reference(rg):
+    """Rewards up to 1e38 and down to 1e-30 (float32): the squares of the statistics overflowed
+    float32 (``[1e30, -1e30, 0]`` gave all zeros). (The leave-one-out *std* is left out: its
+    one-pass ``SS_g - e_i^2 n / (n - 1)`` cancels when one member dwarfs the others.)"""
+    r, g = rg
+    for cfg in _HUGE_CONFIGS.values():
+        got = grpo_advantages(
+            r,
+            g,
+            mean_level=cfg["mean_level"],
+            std_level=cfg["std_level"],
+            unbiased_std=cfg["unbiased"],
+            eps=cfg["eps"],
+            leave_one_out=cfg["loo"],
+        )
+        want = _loop_reference(r, g, **cfg, exact_zero=True)
+        # the float32 output rounds each value once: beyond float32's range that is +-inf
+        fits = torch.isfinite(want.float())
+        assert torch.equal(got[~fits], want.float()[~fits]), cfg
+        scale = max(float(want[fits].abs().max()), 1.0) if fits.any() else 1.0
+        assert torch.allclose(got[fits].double(), want[fits], rtol=1e-5, atol=1e-5 * scale), cfg
+
+
+def test_grpo_1e30_rewards_are_not_zeroed():
+    adv = grpo_advantages(T([1e30, -1e30, 0.0]), ids(0, 0, 0))
+    assert close(adv, [1.0, -1.0, 0.0], tol=1e-6)
+    assert close(rebn_advantages(T([1e30, -1e30, 0.0])), [1.0, -1.0, 0.0], tol=1e-6)
+    assert grpo_advantages(T([3e30, 3e30]), ids(4, 4)).tolist() == [0.0, 0.0]  # constant: exactly 0
+
+
+def test_rloo_and_dr_grpo_float32_match_the_float64_formula():
+    """200 draws of one 80-member group of ``randn * 16``: the float32 advantages must match the
+    float64 formula to ``rtol=1e-5, atol=1e-6`` (summing the all-positive ``r - min`` in float32
+    failed 121 of 200 for RLOO; the naive float32 ``r - mean`` fails none, asserted too)."""
+    gen = torch.Generator().manual_seed(14)
+    g = torch.zeros(80, dtype=torch.long)
+    fails = {"rloo": 0, "dr-grpo": 0, "naive": 0}
+    for _ in range(200):
+        r = torch.randn(80, generator=gen) * 16
+        r64 = r.double()
+        loo = r64 - (r64.sum() - r64) / 79
+        centred = r64 - r64.mean()
+        fails["rloo"] += not torch.allclose(rloo_advantages(r, g).double(), loo, rtol=1e-5, atol=1e-6)
+        fails["dr-grpo"] += not torch.allclose(
+            dr_grpo_advantages(r, g).double(), centred, rtol=1e-5, atol=1e-6
+        )
+        fails["naive"] += not torch.allclose((r - r.mean()).double(), centred, rtol=1e-5, atol=1e-6)
+    assert fails == {"rloo": 0, "dr-grpo": 0, "naive": 0}
+
+
+def test_lite_ppo_batch_std_rewards_and_centred():
+    """``"rewards"`` (default): the paper's text, TRL's ``scale_rewards="batch"`` and ROLL's
+    ``norm_std_type: batch`` (``response_level_rewards.std()``); ``"centred"``: ROLL's
+    ``group_reward_norm(div_std_global=True)`` (the std of the group-centred rewards)."""
+    gen = torch.Generator().manual_seed(3)
+    r = torch.randn(4, 8, generator=gen).double() + torch.arange(4.0).double()[:, None] * 5
+    g = torch.arange(4).repeat_interleave(8)
+    centred = r - r.mean(dim=-1, keepdim=True)
+    trl = (centred / (r.std() + 1e-6)).reshape(-1)
+    roll_global = (centred / (centred.std() + 1e-6)).reshape(-1)
+    flat = r.reshape(-1)
+    assert close(lite_ppo_advantages(flat, g), trl, tol=1e-12)
+    assert close(lite_ppo_advantages(flat, g, batch_std="rewards"), trl, tol=1e-12)
+    assert close(lite_ppo_advantages(flat, g, batch_std="centred"), roll_global, tol=1e-12)
+    assert close(grpo_advantages(flat, g, std_level="batch", batch_std="centred"), roll_global, tol=1e-12)
+    # the registry entry uses the default
+    assert close(ADVANTAGE_ESTIMATORS.get("lite-ppo")(flat, g), trl, tol=1e-12)
+    with pytest.raises(ValueError, match=r"^batch_std: must be one of \['rewards', 'centred'\]"):
+        lite_ppo_advantages(flat, g, batch_std="global")
+
+
+@given(rg=grouped())
+def test_lite_ppo_centred_std_is_never_larger_than_the_rewards_std(rg):
+    r, g = rg
+    a_raw = lite_ppo_advantages(r.double(), g, eps=0.0)
+    a_cen = lite_ppo_advantages(r.double(), g, eps=0.0, batch_std="centred")
+    # same numerators, so |a_cen| >= |a_raw| wherever both are scaled
+    assert bool((a_cen.abs() >= a_raw.abs() * (1 - 1e-9)).all())
+
+
+def test_eps_of_the_wrong_type_names_eps():
+    with pytest.raises(ValueError, match=r"^eps: expected a number, got str$"):
+        grpo_advantages(torch.ones(2), torch.zeros(2, dtype=torch.long), eps="x")

@@ -23,8 +23,13 @@ Conventions shared by all estimators (see ``docs/advantages.md`` for the table):
 * **singletons**: a group of one sample has advantage 0 for every group-baseline estimator
   (its mean is itself; leave-one-out has no other member); an unbiased (``n - 1``) std of a
   single sample is treated as 0 spread.
-* **precision**: 16-bit (``float16`` / ``bfloat16``) rewards are computed in float32 and the
-  advantages cast back; counts are never held in 16 bits.
+* **precision**: the statistics are computed in float64 (float32 on MPS, which has no
+  float64) whatever the dtype of ``rewards``, and the advantages cast back to it once: a
+  float32 result is the float64 result rounded (rtol ~6e-8), as accurate as the naive
+  ``r - mean`` and more. Sums of squares are taken of deviations divided by the group's
+  largest absolute deviation (a detached constant), so they neither overflow nor underflow:
+  rewards of ``1e30`` give the same advantages as rewards of ``1``. Counts are never held in
+  16 bits.
 * **gradients**: the estimators are differentiable in ``rewards`` (nothing is detached, for
   reward models trained through the advantage) and their gradients are finite everywhere:
   where the spread is exactly 0 (constant group, singleton, constant batch) the advantage and
@@ -41,14 +46,14 @@ from torch import Tensor
 
 from rollkit.keys import ADVANTAGES, GREEDY_REWARDS, GROUP_IDS, RESPONSE_LENGTH, REWARDS
 from rollkit.ops import (
+    _group_normalize,
     _safe_sqrt,
+    _segment_count,
+    _segment_max,
+    _segment_mean,
+    _segment_min,
+    _segment_sum,
     group_index,
-    group_normalize,
-    segment_count,
-    segment_max,
-    segment_mean,
-    segment_min,
-    segment_sum,
 )
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
@@ -57,9 +62,10 @@ from rollkit.validation import (
     check_finite_float,
     check_group_ids,
     check_positive,
+    check_same_device,
     check_same_shape,
     check_tensor,
-    value_checks_enabled,
+    values_readable,
 )
 
 __all__ = [
@@ -82,13 +88,16 @@ _GROUP_KEYS = {"rewards": REWARDS, "group_ids": GROUP_IDS}
 
 
 def _check_outcome(rewards: Tensor, group_ids: Tensor) -> None:
+    check_tensor("rewards", rewards)
+    check_group_ids("group_ids", group_ids)
+    check_same_device("group_ids", group_ids, "rewards", rewards)
     check_finite_float("rewards", rewards, ndim=1)
     check_group_ids("group_ids", group_ids, rewards.shape[0])
-    if group_ids.device != rewards.device:
-        raise ValueError(f"group_ids: on device {group_ids.device} but rewards is on {rewards.device}")
 
 
-_HALF = (torch.float16, torch.bfloat16)
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the statistics are computed in: float64, or float32 on MPS (no float64)."""
+    return torch.float32 if x.device.type == "mps" else torch.float64
 
 
 def _take(stat: Tensor, index: Tensor) -> Tensor:
@@ -109,30 +118,37 @@ class _Groups:
 
     def __init__(self, rewards: Tensor, index: Tensor, num: int) -> None:
         self.index, self.num = index, num
-        self.rmin = segment_min(rewards, index, num)
-        self.rmax = segment_max(rewards, index, num)
+        self.rmin = _segment_min(rewards, index, num)
+        self.rmax = _segment_max(rewards, index, num)
         # d >= 0, exactly 0 for every member of a constant group
         self.d = rewards - _take(self.rmin, index)
-        self.count = segment_count(index, num, rewards.dtype)  # [G]
+        self.count = _segment_count(index, num, rewards.dtype)  # [G]
         self.n = _take(self.count, index)  # [B] size of each sample's group
-        self.centred = self.d - _take(segment_mean(self.d, index, num), index)  # r - mean_g
-        self.ss = segment_sum(self.centred.square(), index, num)  # [G] sum of squares
+        self.centred = self.d - _take(_segment_mean(self.d, index, num), index)  # r - mean_g
+        # squares of deviations scaled by the group's largest one (a constant): no overflow
+        m = _segment_max(self.centred.detach().abs(), index, num)
+        self.m = torch.where(m > 0, m, torch.ones_like(m))  # [G]
+        self.q = self.centred / _take(self.m, index)  # in [-1, 1]
+        self.ss_q = _segment_sum(self.q.square(), index, num)  # [G] sum of squares / m^2
         self.constant = self.rmin == self.rmax  # [G]
 
     def std(self, *, unbiased: bool) -> Tensor:
         """``[G]`` std of each group; ``n - 1 <= 0`` (unbiased singleton) gives 0."""
         denom = (self.count - 1) if unbiased else self.count
-        return _safe_sqrt(self.ss / denom.clamp(min=1))
+        return self.m * _safe_sqrt(self.ss_q / denom.clamp(min=1))
 
 
-def _batch_std(rewards: Tensor, *, unbiased: bool) -> Tensor:
-    """0-dim std of all rewards (min-shifted, so a constant batch gives exactly 0)."""
-    if rewards.numel() == 0:
-        return rewards.new_zeros(())
-    d = rewards - rewards.min()
+def _batch_std(x: Tensor, *, unbiased: bool) -> Tensor:
+    """0-dim std of all values of ``x`` (min-shifted, so a constant batch gives exactly 0;
+    scaled by the largest deviation before squaring, so it does not overflow)."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    d = x - x.min()
     e = d - d.mean()
-    denom = max(rewards.numel() - (1 if unbiased else 0), 1)
-    return _safe_sqrt(e.square().sum() / denom)
+    m = e.detach().abs().max()
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    denom = max(x.numel() - (1 if unbiased else 0), 1)
+    return m * _safe_sqrt((e / m).square().sum() / denom)
 
 
 def _scale(adv: Tensor, std: Tensor, eps: float) -> Tensor:
@@ -156,6 +172,7 @@ def grpo_advantages(
     eps: float = 1e-6,
     leave_one_out: bool = False,
     loo_std: bool = False,
+    batch_std: Literal["rewards", "centred"] = "rewards",
 ) -> Tensor:  # [B] float
     """GRPO group-relative advantage and its variants (Dr.GRPO, LitePPO, RLOO, NeMo-RL LOO).
 
@@ -170,11 +187,15 @@ def grpo_advantages(
     ===================================  ==========================  ==============================
     defaults (GRPO)                      group mean                  group std
     ``std_level=None`` (Dr.GRPO)         group mean                  none (``A = r - b``)
-    ``std_level="batch"`` (LitePPO)      group mean                  std of all ``B`` rewards
+    ``std_level="batch"`` (LitePPO)      group mean                  std of the ``B`` rewards (*)
     ``mean_level="batch"``               batch mean                  as chosen
     ``leave_one_out=True`` (RLOO)        mean of the *other* members  as chosen
     ``loo_std=True`` (NeMo-RL)           mean of the other members   std of the other members
     ===================================  ==========================  ==============================
+
+    (*) ``batch_std`` picks what the batch std is taken of: ``"rewards"`` (default) the ``B``
+    raw rewards, ``"centred"`` the ``B`` centred rewards ``r_i - b_i`` (see
+    :func:`lite_ppo_advantages` for who does which).
 
     Dr.GRPO: Liu et al., 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783.
     LitePPO: Liu et al., 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning",
@@ -195,6 +216,9 @@ def grpo_advantages(
         loo_std: scale by the std of the other members (needs ``leave_one_out=True`` and
             ``std_level="group"``); with ``unbiased_std`` the others' variance is divided by
             ``G - 2``, else by ``G - 1``.
+        batch_std: with ``std_level="batch"``: ``"rewards"`` (std of the raw rewards, TRL's
+            ``scale_rewards="batch"``) or ``"centred"`` (std of ``r - b``, ROLL's
+            ``group_reward_norm(div_std_global=True)``); ignored otherwise.
 
     Returns:
         ``[B]`` advantages, dtype of ``rewards``.
@@ -202,7 +226,10 @@ def grpo_advantages(
     Edge cases (one behaviour each): a singleton group gets 0 with a group baseline (and with
     LOO: no other member); a group of identical rewards gets exactly 0 with a group baseline;
     a spread of exactly 0 (constant group, unbiased std of a singleton, the others of a LOO
-    sample all equal, a constant batch) leaves ``r - b`` unscaled.
+    sample all equal, a constant batch) leaves ``r - b`` unscaled. Statistics are in float64
+    and overflow-free (module docstring): rewards ``[1e30, -1e30, 0]`` in one group give
+    ``[1, -1, 0]``. ``group_ids`` and ``rewards`` must share a device; ``meta`` tensors are
+    refused by name (grouping reads the ids).
 
     >>> r = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 7.0])
     >>> g = torch.tensor([3, 3, 3, 3, 8, 8, 9])      # a 4-group, a constant 2-group, a singleton
@@ -215,33 +242,53 @@ def grpo_advantages(
     _check_outcome(rewards, group_ids)
     check_choice("mean_level", mean_level, ("group", "batch"))
     check_choice("std_level", std_level, ("group", "batch", None))  # type: ignore[arg-type]
+    check_choice("batch_std", batch_std, ("rewards", "centred"))
     check_positive("eps", eps, allow_zero=True)
     if leave_one_out and mean_level != "group":
         raise ValueError("leave_one_out: needs mean_level='group' (a leave-one-out baseline is per group)")
     if loo_std and not (leave_one_out and std_level == "group"):
         raise ValueError("loo_std: needs leave_one_out=True and std_level='group'")
+    index, num = group_index(group_ids)
     if rewards.numel() == 0:
         return rewards.clone()
-    if rewards.dtype in _HALF:  # computed in float32, cast back
-        return grpo_advantages(
-            rewards.float(),
-            group_ids,
-            mean_level=mean_level,
-            std_level=std_level,
-            unbiased_std=unbiased_std,
-            eps=eps,
-            leave_one_out=leave_one_out,
-            loo_std=loo_std,
-        ).to(rewards.dtype)
+    work = _stat_dtype(rewards)
+    adv = _grpo(
+        rewards.to(work),
+        index,
+        num,
+        mean_level=mean_level,
+        std_level=std_level,
+        unbiased_std=unbiased_std,
+        eps=eps,
+        leave_one_out=leave_one_out,
+        loo_std=loo_std,
+        batch_std=batch_std,
+    )
+    return adv.to(rewards.dtype)
 
-    index, num = group_index(group_ids)
+
+def _grpo(
+    rewards: Tensor,
+    index: Tensor,
+    num: int,
+    *,
+    mean_level: str,
+    std_level: str | None,
+    unbiased_std: bool,
+    eps: float,
+    leave_one_out: bool,
+    loo_std: bool,
+    batch_std: str,
+) -> Tensor:
+    """:func:`grpo_advantages` on checked, non-empty rewards in the statistics dtype."""
     if mean_level == "group" and not leave_one_out and std_level != "batch":  # GRPO, Dr.GRPO
-        return group_normalize(
+        return _group_normalize(
             rewards, index, num, scale=std_level == "group", unbiased=unbiased_std, eps=eps
         )
     if std_level == "batch" and mean_level == "group" and not leave_one_out:  # LitePPO
-        adv = group_normalize(rewards, index, num, scale=False)
-        return _scale(adv, _batch_std(rewards, unbiased=unbiased_std), eps)
+        adv = _group_normalize(rewards, index, num, scale=False, unbiased=unbiased_std, eps=eps)
+        spread = rewards if batch_std == "rewards" else adv
+        return _scale(adv, _batch_std(spread, unbiased=unbiased_std), eps)
 
     grp = _Groups(rewards, index, num)
     if mean_level == "batch":
@@ -249,28 +296,30 @@ def grpo_advantages(
         adv = d - d.mean()
     else:  # leave-one-out
         # r_i - mean_{j != i} r_j = (n d_i - sum_g d) / (n - 1); 0 for singletons
-        dsum = _take(segment_sum(grp.d, grp.index, grp.num), grp.index)
+        dsum = _take(_segment_sum(grp.d, grp.index, grp.num), grp.index)
         adv = torch.where(grp.n > 1, (grp.n * grp.d - dsum) / (grp.n - 1).clamp(min=1), 0.0)
 
     if std_level is None:
         return adv
     if std_level == "batch":
-        return _scale(adv, _batch_std(rewards, unbiased=unbiased_std), eps)
+        spread = rewards if batch_std == "rewards" else adv
+        return _scale(adv, _batch_std(spread, unbiased=unbiased_std), eps)
     if not loo_std:
         return _scale(adv, _take(grp.std(unbiased=unbiased_std), grp.index), eps)
 
     # Std of the other n-1 members. With e = r - mean_g (sum_g e = 0), the others' mean is
-    # mean_g - e_i/(n-1) and their sum of squares about it is SS_g - e_i^2 * n/(n-1).
-    n, e = grp.n, grp.centred
-    ss_others = (_take(grp.ss, grp.index) - e.square() * n / (n - 1).clamp(min=1)).clamp(min=0)
+    # mean_g - e_i/(n-1) and their sum of squares about it is SS_g - e_i^2 * n/(n-1)
+    # (here divided by m_g^2: q = e / m_g).
+    n, q = grp.n, grp.q
+    ss_others = (_take(grp.ss_q, grp.index) - q.square() * n / (n - 1).clamp(min=1)).clamp(min=0)
     denom = (n - 2) if unbiased_std else (n - 1)
-    std_others = _safe_sqrt(ss_others / denom.clamp(min=1))
+    std_others = _take(grp.m, grp.index) * _safe_sqrt(ss_others / denom.clamp(min=1))
     # Exact zero spread when the others are all equal (tolerance-free, from counts of min/max).
     r = rewards
     at_min = (r == _take(grp.rmin, grp.index)).to(r.dtype)
     at_max = (r == _take(grp.rmax, grp.index)).to(r.dtype)
-    n_min = _take(segment_sum(at_min, grp.index, grp.num), grp.index)
-    n_max = _take(segment_sum(at_max, grp.index, grp.num), grp.index)
+    n_min = _take(_segment_sum(at_min, grp.index, grp.num), grp.index)
+    n_max = _take(_segment_sum(at_max, grp.index, grp.num), grp.index)
     others_equal = (
         (n <= 2)
         | _take(grp.constant, grp.index)
@@ -304,20 +353,36 @@ def lite_ppo_advantages(
     *,
     unbiased_std: bool = True,
     eps: float = 1e-6,
+    batch_std: Literal["rewards", "centred"] = "rewards",
 ) -> Tensor:  # [B]
-    """LitePPO advantage: group-mean baseline, batch-level std, ``A_i = (r_i - mean_g r) / (std_B r + eps)``.
+    """LitePPO advantage: group-mean baseline, batch-level std, ``A_i = (r_i - mean_g r) / (std_B + eps)``.
 
     Liu et al., 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning",
-    arXiv:2508.08221. Unlike GRPO the scale is the std of all ``B`` rewards in the batch
-    (TRL's ``scale_rewards="batch"``), so it does not blow up groups with a tiny spread.
+    arXiv:2508.08221. Unlike GRPO the scale is one std for the whole batch, so it does not
+    blow up groups with a tiny spread. Two batch stds are in use, chosen by ``batch_std``::
+
+        "rewards" (default):  std_B = std(r_1, ..., r_B)                        the raw rewards
+        "centred":            std_B = std(r_1 - mean_g r, ..., r_B - mean_g r)  the centred rewards
+
+    ``"rewards"`` is the paper's "batch-level standard deviation", TRL's
+    ``scale_rewards="batch"`` and the authors' shipped LitePPO in ROLL (``norm_mean_type:
+    group``, ``norm_std_type: batch``: ``reward_norm`` divides by ``response_level_rewards.std()``).
+    ``"centred"`` is ROLL's older ``group_reward_norm(div_std_global=True)``, which divides the
+    group-centred rewards by their own std; it leaves out the spread *between* group means, so
+    it is never larger than ``"rewards"`` (equal when every group has the same mean).
     Shapes: ``[B]``, ``[B]`` -> ``[B]``.
 
     >>> r = torch.tensor([1.0, 0.0, 3.0, 3.0])
     >>> adv = lite_ppo_advantages(r, torch.tensor([0, 0, 1, 1]), eps=0.0)
     >>> torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]) / r.std())
     True
+    >>> adv = lite_ppo_advantages(r, torch.tensor([0, 0, 1, 1]), eps=0.0, batch_std="centred")
+    >>> torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]) / torch.tensor([0.5, -0.5, 0.0, 0.0]).std())
+    True
     """
-    return grpo_advantages(rewards, group_ids, std_level="batch", unbiased_std=unbiased_std, eps=eps)
+    return grpo_advantages(
+        rewards, group_ids, std_level="batch", unbiased_std=unbiased_std, eps=eps, batch_std=batch_std
+    )
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo", in_keys=_GROUP_KEYS, out_keys=_OUT)
@@ -387,18 +452,18 @@ def opo_advantages(
     check_same_shape("lengths", lengths, "rewards", rewards)
     if lengths.dtype == torch.bool:
         raise ValueError("lengths: expected integer or float token counts, got dtype torch.bool")
-    w = lengths.to(rewards.dtype)
+    work = _stat_dtype(rewards)
+    w = lengths.to(work)
     check_finite("lengths", w)
-    if value_checks_enabled() and bool((w <= 0).any()):
+    if values_readable("lengths", w) and bool((w <= 0).any()):
         raise ValueError(f"lengths: must be > 0, got {int((w <= 0).sum())} non-positive value(s)")
+    index, num = group_index(group_ids)
     if rewards.numel() == 0:
         return rewards.clone()
-    if rewards.dtype in _HALF:  # computed in float32, cast back
-        return opo_advantages(rewards.float(), group_ids, lengths).to(rewards.dtype)
-    index, num = group_index(group_ids)
-    d = rewards - _take(segment_min(rewards, index, num), index)  # exactly 0 in constant groups
-    baseline = segment_sum(w * d, index, num) / segment_sum(w, index, num)
-    return d - _take(baseline, index)
+    r = rewards.to(work)
+    d = r - _take(_segment_min(r, index, num), index)  # exactly 0 in constant groups
+    baseline = _segment_sum(w * d, index, num) / _segment_sum(w, index, num)
+    return (d - _take(baseline, index)).to(rewards.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("gpg", in_keys=_GROUP_KEYS, out_keys=_OUT)
@@ -430,20 +495,17 @@ def gpg_advantages(
     """
     _check_outcome(rewards, group_ids)
     check_positive("eps", eps, allow_zero=True)
+    index, num = group_index(group_ids)
     if rewards.numel() == 0:
         return rewards.clone()
-    if rewards.dtype in _HALF:  # computed in float32, cast back
-        return gpg_advantages(
-            rewards.float(), group_ids, normalize_std=normalize_std, unbiased_std=unbiased_std, eps=eps
-        ).to(rewards.dtype)
-    index, num = group_index(group_ids)
-    adv = group_normalize(rewards, index, num, scale=normalize_std, unbiased=unbiased_std, eps=eps)
-    constant = segment_min(rewards, index, num) == segment_max(rewards, index, num)  # [G]
-    num_b = rewards.shape[0]
+    r = rewards.to(_stat_dtype(rewards))
+    adv = _group_normalize(r, index, num, scale=normalize_std, unbiased=unbiased_std, eps=eps)
+    constant = _segment_min(r, index, num) == _segment_max(r, index, num)  # [G]
+    num_b = r.shape[0]
     # a product, not a boolean-mask index (which would synchronise with the host)
-    num_m = (segment_count(index, num, rewards.dtype) * constant).sum()
+    num_m = (_segment_count(index, num, r.dtype) * constant).sum()
     alpha = torch.where(num_m < num_b, num_b / (num_b - num_m).clamp(min=1), torch.ones_like(num_m))
-    return adv * alpha
+    return (adv * alpha).to(rewards.dtype)
 
 
 def _log_comb(n: Tensor, k: Tensor) -> Tensor:
@@ -493,20 +555,20 @@ def passk_advantages(
     _check_outcome(rewards, group_ids)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be a positive int, got {k!r}")
+    index, num = group_index(group_ids)
     if rewards.numel() == 0:
         return rewards.clone()
-    if value_checks_enabled() and bool(((rewards != 0) & (rewards != 1)).any()):
+    if values_readable("rewards", rewards) and bool(((rewards != 0) & (rewards != 1)).any()):
         bad = rewards[(rewards != 0) & (rewards != 1)][0].item()
         raise ValueError(f"rewards: pass@k needs binary 0/1 rewards, got {bad}")
-    index, num = group_index(group_ids)
     # [G]-sized statistics in float64: lgamma differences of large N lose digits in float32
-    dtype = torch.float64 if rewards.device.type != "mps" else torch.float32
-    count = segment_count(index, num, dtype)  # [G]
-    if value_checks_enabled() and bool((count < k).any()):
+    dtype = _stat_dtype(rewards)
+    count = _segment_count(index, num, dtype)  # [G]
+    if values_readable("group_ids", group_ids) and bool((count < k).any()):
         raise ValueError(
             f"group_ids: pass@{k} needs at least k={k} samples per group, smallest group has {int(count.min())}"
         )
-    correct = segment_sum(rewards.to(dtype), index, num)
+    correct = _segment_sum(rewards.to(dtype), index, num)
     wrong = count - correct
     kk = torch.full_like(count, float(k))
     mean = 1.0 - _comb_ratio(wrong, count, kk)  # [G]
@@ -545,7 +607,6 @@ def rebn_advantages(
     check_positive("eps", eps, allow_zero=True)
     if rewards.numel() == 0:
         return rewards.clone()
-    if rewards.dtype in _HALF:  # computed in float32, cast back
-        return rebn_advantages(rewards.float(), unbiased_std=unbiased_std, eps=eps).to(rewards.dtype)
-    d = rewards - rewards.min()
-    return _scale(d - d.mean(), _batch_std(rewards, unbiased=unbiased_std), eps)
+    r = rewards.to(_stat_dtype(rewards))  # statistics in float64, cast back
+    d = r - r.min()
+    return _scale(d - d.mean(), _batch_std(r, unbiased=unbiased_std), eps).to(rewards.dtype)
