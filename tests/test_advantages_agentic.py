@@ -602,3 +602,55 @@ def test_float32_discounted_returns_match_float64_loop_to_float32_precision(b, g
     ref = ref_returns(r.double(), b["traj_ids"], b["step_index"], gamma)
     scale = ref_returns(r.double().abs(), b["traj_ids"], b["step_index"], gamma)
     assert ((out.double() - ref).abs() <= 1e-6 * scale + 1e-6).all()
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+@given(
+    step_batches(gaps=True, max_len=7), st.sampled_from([2, 10**7, 2**40]), st.sampled_from([0.5, 0.999, 1.0])
+)
+def test_huge_step_indices_use_memory_proportional_to_the_steps(b, stride, gamma):
+    """``step_index`` may have gaps of any size (documented): the steps are compacted per
+    trajectory (sort), so memory is O(N) and the result is the loop reference's, exponents of
+    the gaps included (before, a dense ``[num_traj, max(step_index) + 1]`` table: 10^7 asked
+    for ~800 TB)."""
+    r, traj, step = b["step_rewards"], b["traj_ids"], b["step_index"] * stride + 3
+    got = discounted_step_returns(r, traj, step, gamma=gamma)
+    want = ref_returns(r.double(), traj, step, gamma)  # gamma ** 2**40 underflows to 0: fine
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+    adv = gigpo_advantages(r, traj, step, b["group_ids"], b["state_ids"], gamma=gamma)
+    ref = ref_gigpo(r, traj, step, b["group_ids"], b["state_ids"], gamma=gamma, omega=1.0, norm="none")
+    assert torch.allclose(adv.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_step_index_near_the_int64_limit():
+    r = torch.tensor([1.0, 2.0, 4.0])
+    traj, step = torch.tensor([5, 5, 9]), torch.tensor([2**62, 2**62 + 1, 2**62])
+    assert discounted_step_returns(r, traj, step, gamma=0.5).tolist() == [2.0, 2.0, 4.0]
+    with pytest.raises(
+        ValueError, match=r"^step_index: \(traj_id, step_index\) pairs must be unique; 1 pair"
+    ):
+        discounted_step_returns(r, torch.tensor([5, 5, 5]), torch.tensor([2**62, 7, 2**62]))
+    with pytest.raises(ValueError, match=r"2 pair\(s\) occur more than once"):
+        discounted_step_returns(torch.ones(5), torch.tensor([1, 1, 1, 2, 2]), torch.tensor([0, 0, 0, 4, 4]))
+
+
+def test_agentic_estimators_check_devices_and_refuse_meta_by_name():
+    r, traj, step = torch.tensor([1.0, 2.0]), torch.tensor([0, 0]), torch.tensor([0, 1])
+    g, s = torch.tensor([0, 0]), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"^step_index: is on device meta but step_rewards is on cpu$"):
+        discounted_step_returns(r, traj, step.to("meta"))
+    with pytest.raises(ValueError, match=r"^episode_returns: is on device meta"):
+        gigpo_advantages(r, traj, step, g, s, torch.ones(2, device="meta"))
+    with pytest.raises(ValueError, match=r"^group_ids: is on device meta but traj_returns is on cpu$"):
+        starpo_advantages(r, g.to("meta"))
+    with pytest.raises(ValueError, match=r"^clip: expected a number, got str$"):
+        starpo_advantages(r, g, clip=("a", 1.0))
+    meta = [t.to("meta") for t in (r, traj, step, g, s)]
+    with pytest.raises(ValueError, match=r"^step_rewards: is on the meta device"):
+        gigpo_advantages(*meta)
+    from rollkit.validation import value_checks
+
+    with value_checks(False), pytest.raises(ValueError, match=r"^traj_ids: is on the meta device"):
+        discounted_step_returns(*meta[:3])

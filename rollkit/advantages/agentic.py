@@ -25,16 +25,19 @@ Conventions shared by every function of this module:
   non-integer ids, shape mismatches and a trajectory that claims two task groups.
 * An empty batch (``N = 0``) returns an empty tensor.
 * 16-bit (``float16`` / ``bfloat16``) inputs are computed in float32 and the result cast back;
-  the discount powers are built in float64. The estimators are differentiable in the rewards
+  the discount powers are built in float64. Memory is ``O(N)`` whatever the step indices.
+* Every tensor must be on the device of the rewards (``ValueError`` naming it); the
+  estimators read ids (grouping, step layout), so ``meta`` tensors are refused by name. The estimators are differentiable in the rewards
   (nothing detached) with finite gradients, also for constant and singleton groups.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from rollkit.advantages.gae import _discount_matrix, _matmul
 from rollkit.keys import (
     ADVANTAGES,
     EPISODE_RETURNS,
@@ -45,7 +48,15 @@ from rollkit.keys import (
     STEP_REWARDS,
     TRAJ_IDS,
 )
-from rollkit.ops import group_index, group_normalize, segment_max, segment_min, segment_std, segment_sum
+from rollkit.ops import (
+    _group_index,
+    _group_normalize,
+    _segment_max,
+    _segment_min,
+    _segment_std,
+    _segment_sum,
+    group_index,
+)
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
     check_choice,
@@ -55,7 +66,9 @@ from rollkit.validation import (
     check_group_ids,
     check_ndim,
     check_positive,
-    value_checks_enabled,
+    check_real,
+    check_same_device,
+    values_readable,
 )
 
 __all__ = [
@@ -73,10 +86,10 @@ _NORMS = ("std", "none")
 
 def _constant_within(name: str, values: Tensor, index: Tensor, num_segments: int, what: str) -> None:
     """Raise unless ``values`` is constant inside every segment of ``index``."""
-    if not value_checks_enabled() or values.numel() == 0:
+    if values.numel() == 0 or not values_readable(name, values):
         return
     v = values.to(torch.float64)
-    bad = segment_min(v, index, num_segments) != segment_max(v, index, num_segments)
+    bad = _segment_min(v, index, num_segments) != _segment_max(v, index, num_segments)
     if bool(bad.any()):
         raise ValueError(
             f"{name}: must be constant within each {what}; {int(bad.sum())} {what}(s) hold several values"
@@ -89,50 +102,74 @@ def _check_step_inputs(step_rewards: Tensor, traj_ids: Tensor, step_index: Tenso
     n = step_rewards.shape[0]
     check_group_ids("traj_ids", traj_ids, n)
     check_group_ids("step_index", step_index, n)
+    check_same_device("traj_ids", traj_ids, "step_rewards", step_rewards)
+    check_same_device("step_index", step_index, "step_rewards", step_rewards)
     check_finite("step_rewards", step_rewards)
-    if value_checks_enabled() and n > 0 and bool((step_index < 0).any()):
+    if n > 0 and values_readable("step_index", step_index) and bool((step_index < 0).any()):
         raise ValueError(f"step_index: must be >= 0, got minimum {int(step_index.min())}")
 
 
-def _dense_layout(traj_ids: Tensor, step_index: Tensor) -> tuple[Tensor, int, Tensor, int]:
-    """Trajectory index ``[N]``, number of trajectories, flat cell ``traj * S + step`` ``[N]``, ``S``.
+class _Steps(NamedTuple):
+    """Steps sorted by (trajectory, step index); memory ``O(N)`` whatever the step indices."""
 
-    Raises if two samples claim the same ``(traj_id, step_index)`` cell (a data-reading check,
-    skipped inside ``rollkit.validation.value_checks(False)``).
-    """
-    t_idx, num_traj = group_index(traj_ids)
+    t_idx: Tensor  # [N] dense trajectory index of each step, input order
+    num_traj: int
+    order: Tensor  # [N] permutation: order[k] is the input position of the k-th sorted step
+    coef: Tensor  # [N] sorted: gamma-exponent to the next step of the same trajectory, -1 at its last
+    max_len: int  # the most steps one trajectory has
+
+
+def _step_layout(traj_ids: Tensor, step_index: Tensor) -> _Steps:
+    """Sort the steps by (trajectory, step index) with two stable sorts (no ``traj * S + step``
+    key, which would overflow int64 for huge step indices, and no table of ``max(step_index)``
+    cells). Raises if two samples claim the same ``(traj_id, step_index)`` pair (a
+    data-reading check, skipped inside ``rollkit.validation.value_checks(False)``)."""
+    t_idx, num_traj = _group_index(traj_ids, "traj_ids")
     steps = step_index.to(torch.int64)
-    num_steps = int(steps.max()) + 1
-    cell = t_idx * num_steps + steps
-    if not value_checks_enabled():
-        return t_idx, num_traj, cell, num_steps
-    counts = torch.bincount(cell, minlength=num_traj * num_steps)
-    if bool((counts > 1).any()):
-        dup = int((counts > 1).sum())
-        raise ValueError(
-            f"step_index: (traj_id, step_index) pairs must be unique; {dup} pair(s) occur more than once"
-        )
-    return t_idx, num_traj, cell, num_steps
+    by_step = torch.sort(steps, stable=True).indices
+    order = by_step.index_select(0, torch.sort(t_idx.index_select(0, by_step), stable=True).indices)
+    st, ss = t_idx.index_select(0, order), steps.index_select(0, order)
+    same = st[1:] == st[:-1]  # [N - 1] sorted step k + 1 continues the trajectory of step k
+    gap = ss[1:] - ss[:-1]  # >= 0 within a trajectory
+    if values_readable("step_index", step_index) and st.numel() > 1:
+        dup = same & (gap == 0)
+        if bool(dup.any()):
+            first = dup & ~torch.cat([dup.new_zeros(1), dup[:-1]])  # one per repeated pair
+            raise ValueError(
+                "step_index: (traj_id, step_index) pairs must be unique; "
+                f"{int(first.sum())} pair(s) occur more than once"
+            )
+    # exponent of gamma from each sorted step to the next one of its trajectory, -1 at the last
+    coef = torch.where(same, gap, torch.full_like(gap, -1))
+    coef = torch.cat([coef, coef.new_full((1,), -1)])
+    n = steps.shape[0]
+    max_len = int(torch.bincount(t_idx, minlength=num_traj).max()) if n else 0
+    return _Steps(t_idx, num_traj, order, coef, max_len)
 
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _returns_from_layout(
-    step_rewards: Tensor, cell: Tensor, num_traj: int, num_steps: int, gamma: float
-) -> Tensor:
-    """Scatter into ``[num_traj, S]``, multiply by the discount matrix, gather back to ``[N]``.
-
-    In float64 for float64 input, else in float32 (16-bit inputs are upcast); the discount
-    matrix ``D[k, t] = gamma^(k - t) [k >= t]`` is built in float64 and cast, and the matmul
-    goes through the TF32 guard of :mod:`rollkit.advantages.gae` (float64 when TF32 is on).
-    """
+def _step_returns(step_rewards: Tensor, lay: _Steps, gamma: float) -> Tensor:
+    """``R_i = r_i + gamma^(s_next - s_i) R_next`` over each trajectory's sorted steps, by a
+    log-depth (Hillis-Steele) scan of the affine maps ``x -> r_i + a_i x``: ``ceil(log2 L)``
+    vectorised passes over ``[N]`` tensors (``L`` = most steps of one trajectory), memory
+    ``O(N)``. ``a_i = gamma^gap`` is taken in float64 (``0 <= a <= 1``: only non-negative
+    powers, no overflow; a huge gap underflows to 0) and ``a = 0`` at a trajectory's last step,
+    so no return crosses into the next trajectory. In float64 for float64 input, else float32."""
     work = torch.float64 if step_rewards.dtype == torch.float64 else torch.float32
-    dense = torch.zeros(num_traj * num_steps, dtype=work, device=step_rewards.device)
-    dense = dense.index_put((cell,), step_rewards.to(work)).view(num_traj, num_steps)
-    discount = _discount_matrix(num_steps, gamma, work, step_rewards.device)
-    returns = _matmul(dense, discount)  # returns[:, t] = sum_k dense[:, k] * gamma^(k - t) [k >= t]
-    return returns.reshape(-1).index_select(0, cell).to(step_rewards.dtype)
+    r = step_rewards.to(work).index_select(0, lay.order)
+    base = torch.tensor(float(gamma), dtype=torch.float64, device=r.device)
+    a = torch.where(lay.coef >= 0, base.pow(lay.coef.clamp(min=0).to(torch.float64)), 0.0).to(work)
+    d = 1
+    while d < lay.max_len:  # after the pass with offset d, each step has summed 2d steps ahead
+        r = torch.cat([r[:-d] + a[:-d] * r[d:], r[-d:]])
+        a = torch.cat([a[:-d] * a[d:], torch.zeros_like(a[-d:])])
+        d *= 2
+    inverse = torch.empty_like(lay.order).scatter_(
+        0, lay.order, torch.arange(lay.order.shape[0], device=lay.order.device)
+    )
+    return r.index_select(0, inverse).to(step_rewards.dtype)
 
 
 # --------------------------------------------------------------------------- public API
@@ -168,8 +205,8 @@ def anchor_state_index(group_ids: Tensor, state_ids: Tensor) -> tuple[Tensor, in
         return torch.zeros(0, dtype=torch.int64, device=group_ids.device), 0
     # rank both ids (order preserving), then one 1-D unique over the combined key: the same
     # numbering as a lexicographic unique over (group, state) pairs, without torch.unique(dim=0)
-    g_idx, _ = group_index(group_ids)
-    s_idx, num_states = group_index(state_ids)
+    g_idx, _ = _group_index(group_ids, "group_ids")
+    s_idx, num_states = _group_index(state_ids, "state_ids")
     return group_index(g_idx * num_states + s_idx)
 
 
@@ -189,12 +226,15 @@ def discounted_step_returns(
     ``gamma = 0`` the immediate reward. Unlike token-level discounted returns (over the ``T``
     tokens of one sample), this discounts over *samples*: each step is its own row of the batch.
 
-    Steps may arrive in any order and trajectories may have different lengths. The steps are
-    scattered into a dense ``[num_traj, S]`` table (``S = max(step_index) + 1``), multiplied by
-    the triangular ``[S, S]`` discount matrix ``D[k, t] = gamma^(k - t) [k >= t]`` and gathered back: memory
-    ``O(num_traj * S + S^2)``, meant for agent horizons (tens to hundreds of turns).
-    ``step_index`` is a time index: a gap (step 1 missing between 0 and 2) counts as a step
-    with zero reward, so ``R_0 = r_0 + gamma^2 r_2``.
+    Steps may arrive in any order and trajectories may have different lengths. They are
+    sorted by ``(trajectory, step_index)`` (two stable sorts) and the recursion
+    ``R_i = r_i + gamma^(s_next - s_i) R_next`` is solved by a log-depth scan over the sorted
+    steps (``ceil(log2 L)`` vectorised passes, ``L`` the most steps of one trajectory): memory
+    ``O(N)``, whatever the values of ``step_index`` (``10**12`` is fine). ``step_index`` is a
+    time index: a gap (step 1 missing between 0 and 2) counts as a step with zero reward, so
+    ``R_0 = r_0 + gamma^2 r_2``; the powers ``gamma^gap`` are taken in float64 (only
+    non-negative exponents: no overflow; a huge gap underflows to 0). All tensors must share
+    a device; ``meta`` is refused by name (the layout reads the ids).
 
     Args:
         step_rewards: ``[N]`` float, finite.
@@ -216,8 +256,7 @@ def discounted_step_returns(
     n = step_rewards.shape[0]
     if n == 0:
         return step_rewards.clone()
-    _, num_traj, cell, num_steps = _dense_layout(traj_ids, step_index)
-    return _returns_from_layout(step_rewards, cell, num_traj, num_steps, gamma)
+    return _step_returns(step_rewards, _step_layout(traj_ids, step_index), gamma)
 
 
 def gigpo_advantages(
@@ -298,6 +337,8 @@ def gigpo_advantages(
     n = step_rewards.shape[0]
     check_group_ids("group_ids", group_ids, n)
     check_group_ids("state_ids", state_ids, n)
+    check_same_device("group_ids", group_ids, "step_rewards", step_rewards)
+    check_same_device("state_ids", state_ids, "step_rewards", step_rewards)
     check_discount("gamma", gamma)
     check_positive("step_weight", step_weight, allow_zero=True)
     check_choice("norm", norm, _NORMS)
@@ -310,6 +351,7 @@ def gigpo_advantages(
             raise ValueError(
                 f"episode_returns: has {episode_returns.shape[0]} entries but the batch has {n} steps"
             )
+        check_same_device("episode_returns", episode_returns, "step_rewards", step_rewards)
         check_finite("episode_returns", episode_returns)
     if n == 0:
         return step_rewards.clone()
@@ -329,25 +371,26 @@ def gigpo_advantages(
             episode_stats=episode_stats,
         ).to(step_rewards.dtype)
 
-    t_idx, num_traj, cell, num_steps = _dense_layout(traj_ids, step_index)
+    lay = _step_layout(traj_ids, step_index)
+    t_idx, num_traj = lay.t_idx, lay.num_traj
     g_idx, num_groups = group_index(group_ids)
     _constant_within("group_ids", g_idx, t_idx, num_traj, "trajectory")
 
     # ---- episode level: R(tau) per trajectory, normalised within the task group
     if episode_returns is None:
-        traj_return = segment_sum(step_rewards, t_idx, num_traj)
+        traj_return = _segment_sum(step_rewards, t_idx, num_traj)
     else:
         _constant_within("episode_returns", episode_returns, t_idx, num_traj, "trajectory")
         # one representative per trajectory (all equal after the check); the max keeps it exact
-        traj_return = segment_max(episode_returns.to(step_rewards.dtype), t_idx, num_traj)
+        traj_return = _segment_max(episode_returns.to(step_rewards.dtype), t_idx, num_traj)
     if episode_stats == "trajectory":
         traj_group = torch.zeros(num_traj, dtype=torch.int64, device=g_idx.device).scatter(0, t_idx, g_idx)
-        a_traj = group_normalize(
+        a_traj = _group_normalize(
             traj_return, traj_group, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
         )
         a_episode = a_traj.index_select(0, t_idx)
     else:
-        a_episode = group_normalize(
+        a_episode = _group_normalize(
             traj_return.index_select(0, t_idx),
             g_idx,
             num_groups,
@@ -360,9 +403,11 @@ def gigpo_advantages(
         return a_episode
 
     # ---- step level: discounted return-to-go, normalised within the anchor-state group
-    returns = _returns_from_layout(step_rewards, cell, num_traj, num_steps, gamma)
+    returns = _step_returns(step_rewards, lay, gamma)
     a_idx, num_anchors = anchor_state_index(group_ids, state_ids)
-    a_step = group_normalize(returns, a_idx, num_anchors, scale=norm == "std", unbiased=unbiased_std, eps=eps)
+    a_step = _group_normalize(
+        returns, a_idx, num_anchors, scale=norm == "std", unbiased=unbiased_std, eps=eps
+    )
     return a_episode + step_weight * a_step
 
 
@@ -415,11 +460,13 @@ def starpo_advantages(
     check_ndim("traj_returns", traj_returns, 1)
     check_float("traj_returns", traj_returns)
     check_group_ids("group_ids", group_ids, traj_returns.shape[0])
+    check_same_device("group_ids", group_ids, "traj_returns", traj_returns)
     check_choice("norm", norm, _NORMS)
     check_positive("eps", eps, allow_zero=True)
     check_positive("min_std", min_std, allow_zero=True)
     if clip is not None:
-        if len(clip) != 2 or not clip[0] <= clip[1]:
+        pair = tuple(clip) if isinstance(clip, (tuple, list)) else ()
+        if len(pair) != 2 or not check_real("clip", pair[0]) <= check_real("clip", pair[1]):
             raise ValueError(f"clip: expected (lo, hi) with lo <= hi, got {clip}")
     check_finite("traj_returns", traj_returns)
     if traj_returns.shape[0] == 0:
@@ -435,11 +482,11 @@ def starpo_advantages(
             clip=clip,
         ).to(traj_returns.dtype)
     g_idx, num_groups = group_index(group_ids)
-    adv = group_normalize(
+    adv = _group_normalize(
         traj_returns, g_idx, num_groups, scale=norm == "std", unbiased=unbiased_std, eps=eps
     )
     if norm == "std" and min_std > 0:
-        std = segment_std(traj_returns, g_idx, num_groups, unbiased=unbiased_std)
+        std = _segment_std(traj_returns, g_idx, num_groups, unbiased=unbiased_std)
         adv = torch.where(
             (std <= min_std).index_select(0, g_idx), torch.zeros((), dtype=adv.dtype, device=adv.device), adv
         )
