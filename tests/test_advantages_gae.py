@@ -674,3 +674,46 @@ def test_general_layout_path_equals_the_right_padded_fast_path(monkeypatch):
     assert gae._layout(m).dest is not None
     for a, b in zip(fast, run()):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+def test_a_meta_mask_is_refused_not_answered_with_uninitialised_memory():
+    """``scatter_`` with a ``meta`` index on a CPU tensor returns uninitialised memory; the
+    device check stops it (the value checks off, so that only the device check can)."""
+    from rollkit.advantages.gae import discounted_returns, gae_advantages, reinforce_pp_advantages
+    from rollkit.validation import value_checks
+
+    x = torch.tensor([[1.0, 5.0, 1.0, 1.0]])
+    meta_mask = torch.tensor([[True, False, True, True]]).to("meta")
+    with value_checks(False):
+        with pytest.raises(ValueError, match=r"^token_rewards: is on device cpu but mask is on meta$"):
+            discounted_returns(x, meta_mask, gamma=0.5)
+        with pytest.raises(ValueError, match=r"^values: is on device meta but mask is on cpu$"):
+            gae_advantages(x, x.to("meta"), torch.ones(1, 4, dtype=torch.bool))
+        with pytest.raises(ValueError, match=r"^bootstrap_value: is on device meta but mask is on cpu$"):
+            gae_advantages(
+                x, x, torch.ones(1, 4, dtype=torch.bool), bootstrap_value=torch.ones(1, device="meta")
+            )
+        with pytest.raises(ValueError, match=r"^rewards: is on device meta but mask is on cpu$"):
+            reinforce_pp_advantages(torch.ones(1, device="meta"), torch.ones(1, 4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("T", [0, 7, 130])
+def test_token_estimators_run_on_meta_for_shape_inference(T):
+    from rollkit.advantages.gae import discounted_returns, gae_advantages, reinforce_pp_advantages
+    from rollkit.validation import value_checks
+
+    x = torch.zeros(3, T, device="meta")
+    m = torch.ones(3, T, dtype=torch.bool, device="meta")
+    with value_checks(False):
+        assert discounted_returns(x, m, gamma=0.9).shape == (3, T)
+        adv, ret = gae_advantages(x, x, m, bootstrap_value=torch.zeros(3, device="meta"))
+        assert adv.is_meta and ret.shape == (3, T)
+        out = reinforce_pp_advantages(torch.zeros(3, device="meta"), m, kl=x, kl_coef=0.1)
+        assert out.is_meta and out.shape == (3, T)
+    with pytest.raises(ValueError, match=r"^token_rewards: is on the meta device"):
+        discounted_returns(x, m, gamma=0.9)
+    with pytest.raises(ValueError, match=r"^rewards: is on the meta device"):
+        reinforce_pp_advantages(torch.zeros(3, device="meta"), m)

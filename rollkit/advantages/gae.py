@@ -17,6 +17,13 @@ When no row has an interior hole (right-padded single-turn batches) the compacti
 identity and is skipped.
 Only non-negative powers of the discount appear, so ``discount`` in ``[0, 1]`` never
 overflows.
+
+Devices: every tensor argument must be on the device of ``mask`` (``ValueError`` naming it;
+torch would fail inside an op, or, for a ``meta`` mask, silently return uninitialised memory).
+On the ``meta`` device (shape inference) these functions run inside
+``rollkit.validation.value_checks(False)`` and return ``meta`` tensors of the right shapes;
+with the value checks on they raise a ``ValueError`` naming the argument, since there are no
+values to check. :func:`reinforce_pp_baseline_advantages` groups by id and refuses ``meta``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from torch import Tensor
 
 from rollkit import keys as K
-from rollkit.ops import group_index, masked_whiten, segment_mean
+from rollkit.ops import _segment_mean, group_index, masked_whiten
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
     check_discount,
@@ -39,10 +46,11 @@ from rollkit.validation import (
     check_mask,
     check_ndim,
     check_positive,
+    check_same_device,
     check_same_shape,
     check_scalar,
     check_shape,
-    value_checks_enabled,
+    values_readable,
 )
 
 __all__ = [
@@ -70,8 +78,9 @@ def _check_token_tensor(name: str, x: Tensor, mask: Tensor) -> None:
 def _check_output_finite(out: Tensor, inputs: list[tuple[str, Tensor]], mask: Tensor) -> None:
     """Value check after the fact, for speed: one reduction of the output; only when it is not
     finite are the inputs checked under the mask, raising ``ValueError`` naming the bad one.
-    (Finite inputs whose result overflows are returned as they are.)"""
-    if not value_checks_enabled() or bool(torch.isfinite(out.sum())):
+    (Finite inputs whose result overflows are returned as they are.) On the ``meta`` device
+    this raises ``ValueError`` naming the first input (no values to check)."""
+    if not values_readable(inputs[0][0], inputs[0][1]) or bool(torch.isfinite(out.sum())):
         return
     for name, x in inputs:
         check_finite_under_mask(name, x, mask)
@@ -218,6 +227,7 @@ def _check_seq_inputs(
     check_ndim("mask", mask, 2)
     check_mask("mask", mask)
     check_shape("rewards", rewards, [mask.shape[0]])
+    check_same_device("rewards", rewards, "mask", mask)
     check_finite_float("rewards", rewards)
     check_positive("kl_coef", check_scalar("kl_coef", kl_coef), allow_zero=True)
     if kl is not None:
@@ -411,6 +421,7 @@ def gae_advantages(
     dtype = torch.promote_types(token_rewards.dtype, values.dtype)
     if bootstrap_value is not None:
         check_shape("bootstrap_value", bootstrap_value, [mask.shape[0]])
+        check_same_device("bootstrap_value", bootstrap_value, "mask", mask)
         check_finite_float("bootstrap_value", bootstrap_value)
         dtype = torch.promote_types(dtype, bootstrap_value.dtype)
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -550,10 +561,11 @@ def reinforce_pp_baseline_advantages(
     """
     _check_seq_inputs(rewards, mask, kl, kl_coef, gamma, eps)
     check_group_ids("group_ids", group_ids, mask.shape[0])
+    check_same_device("group_ids", group_ids, "mask", mask)
     _check_chunk_size(chunk_size)
     index, n_groups = group_index(group_ids)
     # float64 centring: a constant group gives exactly 0 (in float32 the round-off of its mean,
     # ~1e-7, would be amplified ~1e4x by whitening with eps = 1e-8)
     r64 = rewards.double()
-    centred = (r64 - segment_mean(r64, index, n_groups).index_select(0, index)).to(rewards.dtype)
+    centred = (r64 - _segment_mean(r64, index, n_groups).index_select(0, index)).to(rewards.dtype)
     return _reinforce_pp_core(centred, mask, kl, kl_coef, gamma, whiten, eps, unbiased_std, chunk_size)
