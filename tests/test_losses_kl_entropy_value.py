@@ -527,3 +527,105 @@ def test_entropy_nan_and_pos_inf_logits_propagate_all_neg_inf_is_zero():
         logits.grad = None
         h[2:].sum().backward()
         assert torch.isfinite(logits.grad).all()
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+@given(b=batches(min_len=0, max_len=4), coef=st.sampled_from([0.0, 0.1]), seq=st.booleans())
+def test_apply_kl_penalty_handles_empty_responses(b, coef, seq):
+    """``T = 0`` is valid (every row empty): the penalised rewards are ``[B, 0]``, the metrics 0
+    (``_last_token_index`` reduced over an empty dimension: IndexError)."""
+    from rollkit.losses import apply_kl_penalty
+
+    m = b["response_mask"]
+    rew = b["rewards"] if seq else b["token_rewards"]
+    tr, met = apply_kl_penalty(rew, b["logprobs"], b["ref_logprobs"], m, coef=coef)
+    assert tr.shape == m.shape
+    assert torch.isfinite(tr).all() and (tr[~m] == 0).all()
+    if m.shape[1] == 0:
+        assert float(met["kl"]) == 0.0 and float(met["kl_seq_sum"]) == 0.0
+
+
+def test_apply_kl_penalty_t0_and_negative_coef():
+    from rollkit.losses import apply_kl_penalty
+
+    z, m = torch.zeros(1, 0), torch.zeros(1, 0, dtype=torch.bool)
+    tr, met = apply_kl_penalty(torch.tensor([1.0]), z, z, m, coef=0.1)
+    assert tr.shape == (1, 0) and float(met["kl"]) == 0.0
+    one = torch.ones(1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^coef: must be >= 0, got -1.0$"):
+        apply_kl_penalty(torch.tensor([0.0]), torch.tensor([[-1.0]]), torch.tensor([[-2.0]]), one, coef=-1.0)
+    with pytest.raises(ValueError, match=r"^coef: expected a number, got str$"):
+        apply_kl_penalty(torch.tensor([0.0]), torch.tensor([[-1.0]]), torch.tensor([[-2.0]]), one, coef="x")
+    with pytest.raises(ValueError, match=r"^rewards: is on device meta but mask is on cpu$"):
+        apply_kl_penalty(
+            torch.tensor([0.0], device="meta"), torch.tensor([[-1.0]]), torch.tensor([[-2.0]]), one, coef=0.1
+        )
+
+
+@given(st.data())
+def test_straight_through_estimators_have_the_value_of_k_and_the_gradient_of_k2(data):
+    """``k2 - sg(k2)`` overflowed to ``inf - inf = NaN`` for log-ratios above ~1.8e19 (float32):
+    the value of k1+ must be k1 exactly, its gradient ``logprobs - ref_logprobs``, for any
+    finite inputs (huge ones included)."""
+    from rollkit.losses import kl_k1_plus, kl_k3_plus
+
+    n = data.draw(st.integers(1, 6))
+    lp = data.draw(float_tensors((n,), min_value=-3e38, max_value=0.0, huge=True)).requires_grad_()
+    ref = data.draw(float_tensors((n,), min_value=-3e38, max_value=0.0, huge=True))
+    d = lp.detach() - ref
+    k = kl_k1_plus(lp, ref)
+    assert torch.equal(k.detach(), d)
+    k.sum().backward()
+    assert torch.equal(lp.grad, d)
+    lp.grad = None
+    k3p = kl_k3_plus(lp, ref)
+    assert torch.equal(k3p.detach(), kl_k3(lp.detach(), ref)) and torch.isfinite(k3p).all()
+    k3p.sum().backward()
+    assert torch.equal(lp.grad, d)
+
+
+def test_k1_plus_of_minus_1e30():
+    from rollkit.losses import kl_k1_plus
+
+    lp, ref = torch.tensor([-1e30]), torch.tensor([-1.0])
+    assert torch.equal(kl_k1_plus(lp, ref), lp - ref)  # was NaN
+
+
+@given(st.data())
+def test_non_finite_log_probs_are_not_clamped_into_finite_kl(data):
+    """``+-inf`` log-probs used to become ``+-20`` through k3's clamp (a finite KL of 10 for an
+    impossible token): now any non-finite log-ratio gives NaN, documented; padding stays ignored."""
+    from rollkit.testing import logprob_tensors
+
+    n = data.draw(st.integers(1, 6))
+    lp = data.draw(logprob_tensors((n,), nonfinite=True))
+    ref = data.draw(logprob_tensors((n,)))
+    bad = ~torch.isfinite(lp - ref)
+    assert bad.any()
+    for est in ("k3", "k3+", "k1+"):
+        k = kl_estimate(lp, ref, estimator=est)
+        assert torch.isnan(k[bad]).all() and torch.isfinite(k[~bad]).all(), est
+    for est in ("k1", "k2"):
+        k = kl_estimate(lp, ref, estimator=est)
+        assert not torch.isfinite(k[bad]).any() and torch.isfinite(k[~bad]).all(), est
+    mask = ~bad  # the same values under a False mask are ignored
+    out = kl_loss(lp.unsqueeze(0), ref.unsqueeze(0), mask.unsqueeze(0))
+    assert torch.isfinite(out.loss).all()
+    out = kl_loss(lp.unsqueeze(0), ref.unsqueeze(0), torch.ones(1, n, dtype=torch.bool))
+    assert torch.isnan(out.loss[0, bad]).all()
+
+
+def test_kl_controllers_name_bad_scalars():
+    from rollkit.losses import AdaptiveKLController
+
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=100.0)
+    with pytest.raises(ValueError, match=r"^current_kl: expected a number, got str$"):
+        ctl.update("x", n_steps=1)
+    with pytest.raises(ValueError, match=r"^n_steps: expected a number, got str$"):
+        ctl.update(1.0, n_steps="x")
+    with pytest.raises(ValueError, match=r"^target: expected a number, got str$"):
+        AdaptiveKLController(0.1, target="x", horizon=1.0)
+    ctl.load_state_dict({"value": torch.tensor(0.5)})  # a 0-dim tensor from a checkpoint is fine
+    assert ctl.value == 0.5

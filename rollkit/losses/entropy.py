@@ -16,7 +16,7 @@ from rollkit.losses._common import (
 )
 from rollkit.registry import REGULARIZERS
 from rollkit.types import LossOutput
-from rollkit.validation import check_float, check_ndim, check_positive
+from rollkit.validation import check_float, check_ndim, check_positive, check_positive_int
 
 __all__ = ["entropy_bonus", "entropy_from_logits", "entropy_from_logits_chunked"]
 
@@ -100,9 +100,7 @@ def entropy_from_logits_chunked(
     """
     check_float("logits", logits)
     check_ndim("logits", logits, tuple(range(1, 9)))
-    if int(chunk_size) != chunk_size:
-        raise ValueError(f"chunk_size: must be an integer, got {chunk_size}")
-    check_positive("chunk_size", chunk_size)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
     use_ckpt = checkpoint_chunks and torch.is_grad_enabled() and logits.requires_grad

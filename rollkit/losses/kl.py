@@ -14,7 +14,16 @@ pi_theta. Their *gradients* differ: as a loss term on on-policy samples, only k2
 gradient is the gradient of KL(pi_theta || pi_ref) (the gradient of k1 has zero mean, that of k3
 is the gradient of the reverse KL(pi_ref || pi_theta) to first order). The straight-through
 variants ``"k1+"`` / ``"k3+"`` (verl's ``kl_penalty="k3+"``, ``"low_var_kl+"``) return the
-value of k1 / k3 with the gradient of k2: ``k2 - sg(k2) + sg(k)``.
+value of k1 / k3 with the gradient of k2: ``k2 - sg(k2) + sg(k)``, computed as
+``sg(d) * (d - sg(d)) + sg(k)`` with ``d = logprobs - ref_logprobs`` (the same value and first
+derivative, without forming ``k2 = d^2 / 2``, whose overflow made ``inf - inf = NaN``).
+
+Non-finite log-probs (NaN, ``+-inf``) are not clamped into finite numbers: an estimate whose
+log-ratio is not finite is NaN (k3, k3+, k1+) or the infinite / NaN difference itself (k1,
+k2), in value and gradient. Finite log-ratios beyond ``+-MAX_LOG_RATIO`` are clamped by k3 as
+documented. The loss terms below read no values (no device synchronisation), so a NaN / inf
+log-prob at a valid token shows up as a non-finite loss there; entries where ``mask`` is
+False are ignored (zeroed first).
 """
 
 from __future__ import annotations
@@ -29,7 +38,15 @@ from rollkit.losses._common import check_token_tensors, compute_dtype, masked_st
 from rollkit.ops import masked_mean
 from rollkit.registry import KL_ESTIMATORS, REGULARIZERS
 from rollkit.types import LossOutput
-from rollkit.validation import check_choice, check_finite, check_float, check_positive, check_same_shape
+from rollkit.validation import (
+    check_choice,
+    check_finite,
+    check_float,
+    check_positive,
+    check_real,
+    check_same_device,
+    check_same_shape,
+)
 
 __all__ = [
     "AdaptiveKLController",
@@ -61,8 +78,11 @@ def _check_pair(logprobs: Tensor, ref_logprobs: Tensor) -> None:
 
 
 def _k2_grad_with_value_of(k: Tensor, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    k2 = 0.5 * (logprobs - ref_logprobs).square()
-    return k2 - k2.detach() + k.detach()
+    """Value ``k``, gradient of ``k2 = d^2 / 2``: ``sg(d) * (d - sg(d)) + sg(k)``. ``d - sg(d)``
+    is exactly 0 for a finite ``d`` (so the value is exactly ``k``, also where ``d^2`` would
+    overflow) and NaN for a non-finite one (which then propagates)."""
+    d = logprobs - ref_logprobs
+    return d.detach() * (d - d.detach()) + k.detach()
 
 
 @KL_ESTIMATORS.register(
@@ -120,9 +140,10 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0)
     ``0`` iff ``logprobs == ref_logprobs``; lower variance than k1. The log-ratio is clamped
     to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO] = [-20, 20]`` so that ``exp`` stays finite; the value
     is then clamped to ``[0, clamp]`` (verl clamps to ``[-10, 10]``; k3 is never negative, so
-    this is the same). Clamped tokens pass no gradient. Half-precision inputs are computed in
-    float32 (so the clamp keeps ``exp`` and the gradient finite) and the result is cast back to
-    the input dtype.
+    this is the same). Clamped tokens pass no gradient. A non-finite log-ratio (a NaN or
+    ``+-inf`` log-prob) is not clamped: the estimate is NaN there. Half-precision inputs are
+    computed in float32 (so the clamp keeps ``exp`` and the gradient finite) and the result is
+    cast back to the input dtype.
 
     Shapes: ``[*]`` and ``[*]`` -> ``[*]``.
 
@@ -136,7 +157,9 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0)
         check_positive("clamp", clamp)
     out_dtype = torch.promote_types(logprobs.dtype, ref_logprobs.dtype)
     dtype = torch.promote_types(out_dtype, torch.float32)
-    log_r = (ref_logprobs.to(dtype) - logprobs.to(dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    raw = ref_logprobs.to(dtype) - logprobs.to(dtype)
+    # raw - raw: 0 where finite, NaN where not, so the clamp cannot turn +-inf into +-20
+    log_r = raw.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) + (raw - raw)
     k = torch.expm1(log_r) - log_r
     k = k if clamp is None else k.clamp(max=clamp)
     return k.to(out_dtype)
@@ -343,7 +366,9 @@ def apply_kl_penalty(
     ``[B]`` reward is placed on the last valid token of its row (the last True of ``mask``,
     which also handles interior holes); a ``[B, T]`` reward is used as is (masked). The
     result is detached and exactly 0 where ``mask`` is False; a row with no valid token has
-    nowhere to put its reward and is all zero.
+    nowhere to put its reward and is all zero (so is every row when ``T = 0``: the result is
+    ``[B, 0]``). ``coef`` must be ``>= 0`` (a negative one would turn the penalty into a
+    bonus); ``rewards`` must be finite (a value check) and on the device of ``mask``.
 
     Metrics (detached 0-dim tensors): ``"kl"``, the mean over non-empty rows of the per-row
     token-mean KL (what verl / OpenRLHF feed to :class:`AdaptiveKLController`);
@@ -362,7 +387,9 @@ def apply_kl_penalty(
     True
     """
     _check_token_inputs(logprobs, ref_logprobs, mask)
+    check_positive("coef", coef, allow_zero=True)
     check_float("rewards", rewards)
+    check_same_device("rewards", rewards, "mask", mask)
     check_finite("rewards", rewards)
     with torch.no_grad():
         pen = kl_penalty(
@@ -373,9 +400,10 @@ def apply_kl_penalty(
         if rewards.ndim == 1:
             if rewards.shape[0] != B:
                 raise ValueError(f"rewards: has {rewards.shape[0]} entries but mask has {B} rows")
-            last = _last_token_index(mask)
             placed = torch.zeros((B, T), dtype=pen.dtype, device=pen.device)
-            placed = placed.scatter(1, last.unsqueeze(1), rewards.detach().to(pen.dtype).unsqueeze(1))
+            if T > 0:  # with T = 0 no row has a token to carry its reward
+                last = _last_token_index(mask)
+                placed = placed.scatter(1, last.unsqueeze(1), rewards.detach().to(pen.dtype).unsqueeze(1))
         elif rewards.shape == mask.shape:
             placed = rewards.detach().to(pen.dtype)
         else:
@@ -399,7 +427,12 @@ def apply_kl_penalty(
 
 
 def _as_float(name: str, x: float | Tensor) -> float:
-    v = float(x.detach()) if isinstance(x, Tensor) else float(x)
+    if isinstance(x, Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {list(x.shape)}")
+        v = float(x.detach())
+    else:
+        v = check_real(name, x)
     if v != v or v in (float("inf"), float("-inf")):
         raise ValueError(f"{name}: must be finite, got {v}")
     return v
@@ -425,7 +458,7 @@ class FixedKLController:
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_positive("state['value']", float(state["value"]), allow_zero=True)
+        check_positive("state['value']", _as_float("state['value']", state["value"]), allow_zero=True)
         self.value = float(state["value"])
 
     def __repr__(self) -> str:
@@ -473,13 +506,13 @@ class AdaptiveKLController:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_positive("state['value']", float(state["value"]), allow_zero=True)
+        check_positive("state['value']", _as_float("state['value']", state["value"]), allow_zero=True)
         self.value = float(state["value"])
         if "target" in state:
-            check_positive("state['target']", float(state["target"]))
+            check_positive("state['target']", _as_float("state['target']", state["target"]))
             self.target = float(state["target"])
         if "horizon" in state:
-            check_positive("state['horizon']", float(state["horizon"]))
+            check_positive("state['horizon']", _as_float("state['horizon']", state["horizon"]))
             self.horizon = float(state["horizon"])
 
     def __repr__(self) -> str:
