@@ -750,3 +750,93 @@ def test_approx_kl_and_ratio_mean_are_accurate_near_on_policy():
         met = fn(lp, old, torch.ones(B), mask, *([old] if extra else [])).metrics
         assert abs(met["approx_kl"].double() - kl_ref) / kl_ref < 1e-3, (name, met["approx_kl"], kl_ref)
         assert abs(met["ratio_mean"].double() - ratio_ref) < 1e-6, (name, met["ratio_mean"], ratio_ref)
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+def _call_loss(name, b, **kw):
+    entry = POLICY_LOSSES.entry(name)
+    return entry.call(b, **kw)
+
+
+_RATIO_FREE = {"vanilla-pg", "gpg"}  # old_logprobs unused
+_SIGN_SPLIT = {"topr"}  # positives use no ratio (no old_logprobs) by design
+
+
+@given(
+    b=batches(nonfinite=("logprobs", "old_logprobs", "advantages"), allow_empty_rows=False),
+    key=st.sampled_from(["logprobs", "old_logprobs", "advantages"]),
+)
+def test_non_finite_inputs_at_valid_tokens_propagate(b, key):
+    """NaN / +-inf at a valid token never becomes a finite loss there: not through
+    ``log_ratio_clamp`` (+inf -> 20), a clip, RAFT++'s threshold (a NaN advantage was dropped as
+    a rejection) or a masked IS weight. Other rows stay finite; padding stays ignored."""
+    m = b["response_mask"]
+    clean = {
+        k: torch.where(torch.isfinite(v), v, -1.0) if k in ("logprobs", "old_logprobs", "advantages") else v
+        for k, v in b.items()
+    }
+    bad = ~torch.isfinite(b[key]) & m
+    bad_rows = bad.any(-1)
+    case = {**clean, key: b[key]}
+    for name in POLICY_LOSSES.names():
+        if key == "old_logprobs" and name in _RATIO_FREE | _SIGN_SPLIT:
+            continue
+        loss = _call_loss(name, case).loss
+        assert not torch.isfinite(loss[bad]).any(), (name, key)
+        assert torch.isfinite(loss[~bad_rows]).all(), (name, key)
+        assert (loss[~m] == 0).all(), name
+
+
+def test_raft_pp_nan_advantage_is_not_a_silent_rejection():
+    lp, m = torch.tensor([[-1.0, -1.0]], requires_grad=True), torch.ones(1, 2, dtype=torch.bool)
+    out = raft_pp(lp, lp.detach(), torch.tensor([float("nan")]), m)
+    assert torch.isnan(out.loss).all()
+    out.loss.sum().backward()
+    assert torch.isnan(lp.grad).all()
+    assert torch.isinf(raft_pp(lp, lp.detach(), torch.tensor([float("inf")]), m).loss).all()
+    assert raft_pp(lp, lp.detach(), torch.tensor([-1.0]), m).loss.tolist() == [[0.0, 0.0]]
+    with pytest.raises(ValueError, match=r"^threshold: must not be NaN$"):
+        raft_pp(lp, lp.detach(), torch.tensor([1.0]), m, threshold=float("nan"))
+
+
+@pytest.mark.parametrize("mode", ["mask", "truncate"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_importance_weights_of_non_finite_log_probs_are_nan(mode, bad):
+    lp = torch.tensor([[-1.0, -1.0]])
+    m = torch.ones(1, 2, dtype=torch.bool)
+    w, _ = importance_weights(torch.tensor([[bad, -1.0]]), lp, m, mode=mode, lower=0.5)
+    assert torch.isnan(w[0, 0]) and w[0, 1].item() == 1.0
+    w, _ = importance_weights(torch.tensor([[bad, -1.0]]), lp, m, mode=mode, level="sequence")
+    assert torch.isnan(w).all()
+    # under a False mask the same value is ignored
+    w, _ = importance_weights(torch.tensor([[bad, -1.0]]), lp, torch.tensor([[False, True]]), mode=mode)
+    assert w.tolist() == [[0.0, 1.0]]
+
+
+def test_policy_losses_run_on_meta_and_check_devices():
+    b = {k: v for k, v in _meta_batch().items()}
+    for name in POLICY_LOSSES.names():
+        out = _call_loss(name, b)  # no value is read: shape inference works with the checks on
+        assert out.loss.is_meta and out.loss.shape == b["logprobs"].shape
+    lp = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^advantages: is on device meta but logprobs is on cpu$"):
+        ppo_clip(lp, lp, torch.zeros(2, device="meta"), m)
+    with pytest.raises(ValueError, match=r"^old_logprobs: is on device meta but logprobs is on cpu$"):
+        ppo_clip(lp, lp.to("meta"), torch.zeros(2), m)
+    with pytest.raises(ValueError, match=r"^dual_clip: expected a number, got str$"):
+        ppo_clip(lp, lp, torch.zeros(2), m, dual_clip="3")
+
+
+def _meta_batch():
+    B, T = 3, 4
+    z = torch.zeros(B, T, device="meta")
+    return {
+        "logprobs": z,
+        "old_logprobs": z,
+        "behavior_logprobs": z,
+        "advantages": torch.zeros(B, device="meta"),
+        "response_mask": torch.ones(B, T, dtype=torch.bool, device="meta"),
+    }

@@ -7,8 +7,16 @@ Every loss here has the same contract::
 
 * ``logprobs`` carries the gradient; ``old_logprobs``, ``behavior_logprobs`` and ``advantages``
   are treated as constants (never differentiated, whether or not they require grad).
-* Validation reads metadata only (shapes, dtypes, hyper-parameters): no value checks, so no
-  device synchronisation; NaN in *valid* positions propagates to the loss.
+* Validation reads metadata only (shapes, dtypes, devices, hyper-parameters): no value checks,
+  so no device synchronisation, and the losses run on the ``meta`` device (shape inference).
+  Non-finite values at *valid* positions propagate instead of being checked: a NaN advantage
+  or a NaN / ``+-inf`` log-prob (``logprobs``, ``old_logprobs``, ``behavior_logprobs``) makes
+  the loss (and its gradient, and the ratio metrics) NaN at that token. No clamp, clip,
+  threshold or mask decision turns such a value into a finite number (see
+  ``log_ratio_clamp`` below): a ``-inf`` log-prob, a token the policy cannot produce, is
+  as much a sign of a mismatch as a NaN. Check ``torch.isfinite`` of the aggregated loss
+  where a silent NaN would hurt.
+* Every tensor argument must be on the device of ``logprobs`` (``ValueError`` naming it).
 * ``advantages`` of shape ``[B]`` are broadcast over the tokens of each row.
 * ``LossOutput.loss`` is ``[B, T]``, exactly ``0`` where ``mask`` is False (values under the
   mask may be anything, in any input, NaN and ``+-inf`` padding included: they never reach the
@@ -26,7 +34,9 @@ Every loss here has the same contract::
   ``[-20, 20]``) before ``exp``, so that any finite input gives a finite loss and a finite
   gradient (the gradient is zero beyond the clamp). No lower clamp is needed: ``exp`` of a
   very negative log-ratio underflows harmlessly to 0. ``log_ratio_clamp=None`` turns the
-  clamp off (then ``exp`` may overflow for log-ratios above ~88 in float32).
+  clamp off (then ``exp`` may overflow for log-ratios above ~88 in float32). The clamp only
+  applies to finite log-ratios: a non-finite one (from a NaN / ``+-inf`` log-prob at a valid
+  token) becomes NaN, not ``log_ratio_clamp``.
 
 ``approx_kl`` is always the k3 estimator of KL(pi_old || pi_theta) over the sampled tokens,
 ``mean((r - 1) - log r)`` with ``r = pi_theta / pi_old`` (Schulman 2020, "Approximating KL
@@ -58,7 +68,16 @@ from rollkit.losses._common import (
 )
 from rollkit.registry import IS_CORRECTIONS, POLICY_LOSSES
 from rollkit.types import LossOutput
-from rollkit.validation import check_choice, check_float, check_in_range, check_positive, check_same_shape
+from rollkit.validation import (
+    check_choice,
+    check_float,
+    check_in_range,
+    check_positive,
+    check_real,
+    check_same_device,
+    check_same_shape,
+    check_scalar,
+)
 
 __all__ = [
     "cispo",
@@ -101,6 +120,7 @@ def _check_inputs(
     check_token_tensors(mask, logprobs=logprobs, old_logprobs=old_logprobs, **extra)
     check_float("advantages", advantages)
     check_seq_or_token("advantages", advantages, "logprobs", logprobs)
+    check_same_device("advantages", advantages, "logprobs", logprobs)
 
 
 def _check_clip(clip_low: float, clip_high: float) -> None:
@@ -130,8 +150,12 @@ def _seq_adv(advantages: Tensor, mask: Tensor, lengths: Tensor, dtype: torch.dty
 
 
 def _log_ratio(lp: Tensor, base: Tensor, mask: Tensor, log_ratio_clamp: float | None) -> Tensor:
-    """``where(mask, lp - base, 0)``, clamped from above; ``base`` is detached. 0 outside the mask."""
-    lr = torch.where(mask, lp - base.detach(), torch.zeros((), dtype=lp.dtype, device=lp.device))
+    """``where(mask, lp - base, 0)``, clamped from above; ``base`` is detached. 0 outside the
+    mask; NaN (in value and gradient) where a valid token's log-ratio is not finite."""
+    raw = torch.where(mask, lp - base.detach(), torch.zeros((), dtype=lp.dtype, device=lp.device))
+    # ``raw - raw`` is 0 where raw is finite and NaN where it is +-inf / NaN: neither the clamp
+    # below nor a later clip / threshold can turn a non-finite log-ratio into a finite number
+    lr = raw + (raw - raw)
     if log_ratio_clamp is not None:
         lr = lr.clamp(max=log_ratio_clamp)  # one-sided: cheaper, and exp(-big) cannot overflow
     return lr
@@ -269,7 +293,10 @@ def importance_weights(
     length-normalised compromise.
 
     Weights are computed in log space (a bound is applied to ``log w`` before ``exp``), so they
-    never overflow. Outside ``mask`` the weight is ``0``. Empty rows get no weight at all.
+    never overflow. Outside ``mask`` the weight is ``0``. Empty rows get no weight at all. A
+    NaN / ``+-inf`` log-prob at a valid token gives a NaN weight (of that token, or of the whole
+    row at the sequence / geometric levels), in both modes: it is neither truncated to a bound
+    nor masked to 0.
 
     Registered in ``rollkit.registry.IS_CORRECTIONS`` as ``"importance_weights"`` (alias
     ``"rollout-is"``), reading ``logprobs`` from the ``"old_logprobs"`` key and writing
@@ -323,11 +350,11 @@ def importance_weights(
         changed = mask & (clamped != logw)
         metrics = {"truncated_frac": _frac(changed, count)}
     else:
-        keep = mask
+        keep = mask  # "not outside the bounds", so that a NaN log-weight is kept (and propagates)
         if log_hi is not None:
-            keep = keep & (logw <= log_hi)
+            keep = keep & ~(logw > log_hi)
         if log_lo is not None:
-            keep = keep & (logw >= log_lo)
+            keep = keep & ~(logw < log_lo)
         safe = logw.clamp(max=log_hi) if log_hi is not None else logw
         w = zero_outside(safe.exp(), keep)
         metrics = {"masked_frac": _frac(mask & ~keep, count)}
@@ -408,7 +435,7 @@ def ppo_clip(
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     _check_clip(clip_low, clip_high)
-    if dual_clip is not None and not dual_clip > 1.0:
+    if dual_clip is not None and not check_real("dual_clip", dual_clip) > 1.0:
         raise ValueError(f"dual_clip: must be > 1 (or None), got {dual_clip}")
     if is_weights is not None:
         check_float("is_weights", is_weights)
@@ -928,7 +955,9 @@ def raft_pp(
     Aggregation: the paper averages over accepted samples; use ``"token-mean"`` with the mask
     ``mask & accepted`` (or a global normaliser counting accepted tokens), since the full mask
     would also count rejected tokens. Metrics: ``accepted_frac`` (valid tokens accepted),
-    ``clip_frac``, ``ratio_*``, ``approx_kl``.
+    ``clip_frac``, ``ratio_*``, ``approx_kl``. A non-finite advantage (or log-prob) at a valid
+    token is neither accepted nor rejected: the loss there is non-finite (as in every loss
+    here), not a silent 0 or a silent acceptance.
 
     >>> lp = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
     >>> out = raft_pp(lp, lp.detach(), torch.tensor([1.0, 0.0]), torch.ones(2, 1, dtype=torch.bool))
@@ -937,11 +966,17 @@ def raft_pp(
     """
     _check_inputs(logprobs, old_logprobs, advantages, mask)
     _check_clip(clip_low, clip_high)
+    check_scalar("threshold", threshold)  # +-inf allowed (accept all / none), NaN not
     dtype, lr = _token_log_ratio(logprobs, old_logprobs, mask, log_ratio_clamp)
     ratio = lr.exp()
-    acc = mask & (_token_adv(advantages, dtype, mask) > threshold)
+    adv = _token_adv(advantages, dtype, mask)
+    acc = mask & (adv > threshold)
     surr = -torch.minimum(ratio, ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
     loss = zero_outside(surr, acc)
+    # a non-finite advantage or ratio is neither accepted nor rejected: surr * adv puts a
+    # non-finite number (NaN for a NaN) in the value and the gradient
+    bad = mask & ~(torch.isfinite(adv) & torch.isfinite(surr))
+    loss = torch.where(bad, surr * adv, loss)
     with torch.no_grad():
         count, n = _counts(mask, dtype)
         metrics = {
