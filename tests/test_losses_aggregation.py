@@ -326,3 +326,42 @@ def test_deferred_value_checks_keep_their_messages(kwargs, pattern):
         aggregate(LOSS, MASK, mode, **kwargs)
     with value_checks(False):
         aggregate(LOSS, MASK, mode, **kwargs)  # not checked
+
+
+# --------------------------------------------------------------------------- reliability (issue 14)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"norm_length": float("nan")}, r"^norm_length: must be an integer, got nan$"),
+        ({"norm_length": float("inf")}, r"^norm_length: must be an integer, got inf$"),
+        ({"norm_length": "x"}, r"^norm_length: expected an int, got str$"),
+        ({"dp_size": "x"}, r"^dp_size: expected an int, got str$"),
+        ({"dp_size": float("nan")}, r"^dp_size: must be an integer, got nan$"),
+        ({"num_tokens": "x", "mode": "seq-mean-token-sum"}, r"^num_tokens: expected a number, got str$"),
+        ({"num_seqs": float("nan")}, r"^num_seqs: must be finite and >= 0, got nan$"),
+    ],
+)
+def test_bad_scalars_name_the_argument(kwargs, match):
+    """``int(nan)`` raised "cannot convert float NaN to integer"; normalisers a mode does not
+    use were not looked at, so ``num_tokens="x"`` passed silently."""
+    args = {"loss": LOSS, "mask": MASK, "mode": "seq-mean-token-sum-norm", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        aggregate(**args)
+
+
+def test_aggregate_devices_and_meta():
+    from rollkit.validation import value_checks
+
+    w = torch.ones(LOSS.shape[0])
+    with pytest.raises(ValueError, match=r"^weights: is on device meta but mask is on cpu$"):
+        aggregate(LOSS, MASK, weights=w.to("meta"))
+    with pytest.raises(ValueError, match=r"^mask: is on device meta but loss is on cpu$"):
+        aggregate(LOSS, MASK.to("meta"))
+    meta = dict(loss=LOSS.to("meta"), mask=MASK.to("meta"), weights=w.to("meta"))
+    with pytest.raises(ValueError, match=r"^weights: is on the meta device"):
+        aggregate(**meta)
+    with value_checks(False):
+        assert aggregate(**meta).is_meta
+    assert aggregate(LOSS.to("meta"), MASK.to("meta")).is_meta  # no weights: nothing is read

@@ -47,9 +47,11 @@ from rollkit.validation import (
     check_float,
     check_mask,
     check_ndim,
-    check_positive,
+    check_positive_int,
+    check_real,
+    check_same_device,
     check_shape,
-    value_checks_enabled,
+    values_readable,
 )
 
 __all__ = ["AGGREGATION_MODES", "aggregate", "global_normalizers"]
@@ -63,13 +65,14 @@ AGGREGATION_MODES: tuple[str, ...] = (
 )
 
 
-def _check_weights(weights: Tensor, batch: int, *, defer: list | None = None) -> None:
+def _check_weights(weights: Tensor, batch: int, like: Tensor, *, defer: list | None = None) -> None:
     """Metadata checks of ``weights``; the data checks (finite, ``>= 0``) only when
     :func:`~rollkit.validation.value_checks_enabled`, as one device-side flag: appended to
     ``defer`` (checked with the others in one synchronisation) or checked at once."""
     check_float("weights", weights)
     check_shape("weights", weights, [batch])
-    if not value_checks_enabled():
+    check_same_device("weights", weights, "mask", like)
+    if not values_readable("weights", weights):
         return
     bad = (~(torch.isfinite(weights) & (weights >= 0))).any()
     if defer is None:
@@ -107,14 +110,14 @@ def _normalizer(name: str, value: float | Tensor, like: Tensor, defer: list) -> 
                 f"{name}: expected a scalar (0-dim or 1-element tensor), got shape {list(value.shape)}"
             )
         t = value.detach().reshape(()).to(dtype=like.dtype, device=like.device)
-        if value_checks_enabled():
+        if values_readable(name, t):
 
             def explain(t: Tensor = t) -> None:
                 raise ValueError(f"{name}: must be finite and >= 0, got {float(t)}")
 
             defer.append((~(torch.isfinite(t) & (t >= 0)), explain))
         return t
-    v = float(value)
+    v = check_real(name, value)
     if not (v >= 0 and v != float("inf")):
         raise ValueError(f"{name}: must be finite and >= 0, got {value}")
     return torch.tensor(v, dtype=like.dtype, device=like.device)
@@ -205,12 +208,17 @@ def aggregate(
     """
     check_choice("mode", mode, AGGREGATION_MODES)
     check_token_tensors(mask, loss=loss)
-    if int(dp_size) != dp_size or dp_size < 1:
+    if check_positive_int("dp_size", dp_size, allow_zero=True) < 1:
         raise ValueError(f"dp_size: must be an integer >= 1, got {dp_size}")
+    dp_size = int(dp_size)
     if norm_length is not None:
-        if int(norm_length) != norm_length:
-            raise ValueError(f"norm_length: must be an integer, got {norm_length}")
-        check_positive("norm_length", norm_length)
+        norm_length = check_positive_int("norm_length", norm_length)
+
+    for name, value in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
+        if value is not None and not isinstance(value, Tensor):  # unused ones too: "x" is never valid
+            v = check_real(name, value)
+            if not (v >= 0 and v != float("inf")):
+                raise ValueError(f"{name}: must be finite and >= 0, got {value}")
 
     x = loss.float() if loss.dtype in LOW_PRECISION else loss
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
@@ -219,7 +227,7 @@ def aggregate(
     row_count = mask.sum(dim=-1).to(x.dtype)  # [B]
     pending: list = []  # deferred data checks: one host synchronisation at the end
     if weights is not None:
-        _check_weights(weights, loss.shape[0], defer=pending)
+        _check_weights(weights, loss.shape[0], mask, defer=pending)
         w = weights.to(x.dtype)
     else:
         w = torch.ones_like(row_count)
@@ -280,7 +288,7 @@ def global_normalizers(
     check_mask("mask", mask)
     count = mask.sum(dim=-1).to(torch.float64)
     if weights is not None:
-        _check_weights(weights, mask.shape[0])
+        _check_weights(weights, mask.shape[0], mask)
         w = weights.detach().to(torch.float64)
     else:
         w = torch.ones_like(count)
