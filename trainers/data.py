@@ -31,6 +31,7 @@ __all__ = [
     "Prompt",
     "PromptIterator",
     "addition_task",
+    "build_prompts",
     "encode_prompt",
     "exact_match_reward",
     "has_chat_template",
@@ -208,3 +209,18 @@ class PromptIterator:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = self._make_order()
+
+
+def build_prompts(cfg: Any) -> tuple[list[Prompt], list[Prompt]]:
+    """``(train, held_out)`` prompts of a :class:`~trainers.config.Config`: from
+    ``data.train_file`` / ``data.eval_file``, or the procedural ``data.task`` (the first
+    ``data.eval_size`` records are held out when there is no eval file)."""
+    d = cfg.data
+    if d.train_file:
+        train = load_prompts(d.train_file)
+        if d.eval_file:
+            return train, load_prompts(d.eval_file)
+        return train[d.eval_size :], train[: d.eval_size]
+    if d.task != "addition":
+        raise ValueError(f"data.task: unknown task {d.task!r} (known: addition); or set data.train_file")
+    return addition_task(digits=d.digits, eval_size=d.eval_size, seed=cfg.seed)
