@@ -13,7 +13,7 @@ weights, then train. With ``max_staleness >= 1`` the next batch is collected in 
 while the current one trains (the engine takes the new weights between two generation
 batches, so an episode may span a weight update); every turn records the policy version that
 wrote it, and an episode is aborted and replaced as soon as one of its turns is more than
-``max_staleness`` versions behind the trainer (:mod:`trainers.envs.rollout`).
+``max_staleness`` versions behind the trainer (:mod:`trainers.envs.episodes`).
 
 Configuration: :class:`AgenticConfig`, loaded with :func:`trainers.config.load_config`
 (``load_config(argv, base=AgenticConfig())``): the same YAML / ``key=value`` machinery as the
@@ -41,8 +41,8 @@ from rollkit.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REGULARIZERS
 from rollkit.trajectory import TrajectoryBatch
 from trainers.config import AlgorithmConfig, LoggingConfig, ModelConfig, TrainConfig
 from trainers.engines.base import SamplingParams, pack
-from trainers.envs.rollout import MODES, EnvRollout, RolloutResult
-from trainers.envs.trajectory import TurnEncoder
+from trainers.envs.episodes import MODES, EpisodeBatch, EpisodeRunner
+from trainers.envs.turns import TurnEncoder
 from trainers.tracking import Tracker
 
 __all__ = [
@@ -266,7 +266,7 @@ class AgenticTrainer:
         cfg: the configuration.
         rollout_engine, train_engine, tokenizer: engines (default :func:`build_agentic_engines`);
             the rollout engine must start with the train engine's weights.
-        runner: an :class:`~trainers.envs.runner.EnvRunner` to play in (default: a new one).
+        runner: an :class:`~trainers.envs.workers.EnvWorkers` to play in (default: a new one).
     """
 
     def __init__(
@@ -289,14 +289,14 @@ class AgenticTrainer:
         e = cfg.env
         template = None if e.chat_template == "auto" else e.chat_template == "on"
         self.encoder = TurnEncoder(tokenizer, chat_template=template, system_prompt=e.system_prompt or None)
-        self.rollout = EnvRollout(
+        self.rollout = EpisodeRunner(
             rollout_engine,
             self.encoder,
             e.name,
             e.kwargs,
             max_turns=e.max_turns,
             max_context=e.max_context,
-            runner=runner,
+            workers=runner,
             deadline_s=e.deadline_s,
             start_method=e.start_method,
             max_batch_size=cfg.rollout.max_batch_size,
@@ -335,7 +335,7 @@ class AgenticTrainer:
             seed=(self.cfg.seed * 1_000_003 + self._calls * 7919) % (2**31),
         )
 
-    def collect(self) -> RolloutResult:
+    def collect(self) -> EpisodeBatch:
         """One batch of ``groups_per_step x group_size`` finished episodes (fresh task seeds)."""
         r = self.cfg.rollout
         seeds: list[int] = []

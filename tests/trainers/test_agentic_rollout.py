@@ -1,5 +1,5 @@
-"""trainers.envs.rollout: lock-step, environment-level asynchronous and redundant multi-turn rollout
-with a real tiny Qwen2, the transformers rollout engine and real environments in EnvRunner worker
+"""trainers.envs.episodes: lock-step, environment-level asynchronous and redundant multi-turn rollout
+with a real tiny Qwen2, the transformers rollout engine and real environments in EnvWorkers worker
 processes -- including environments that hang, raise or are SIGKILLed mid-episode
 (trainers.envs.chaos). Checked: failures are counted, dropped and replaced, the step goes on, every
 launched episode is accounted for exactly once, and no sample is attributed to the wrong episode
@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 from rollkit.trajectory import build_trajectory
 from trainers.engines import HFRolloutEngine, SamplingParams
 from trainers.envs.chaos import CounterEnv, FaultOnceEnv
-from trainers.envs.rollout import EnvRollout
-from trainers.envs.trajectory import TurnEncoder
+from trainers.envs.episodes import EpisodeRunner
+from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import LatencyEnv, StateIdEnv
 from trainers.models import char_tokenizer, tiny_qwen2
 
@@ -40,7 +40,7 @@ def accounted(m: dict) -> float:
     return sum(m[k] for k in keys)
 
 
-def check_attribution(rollout: EnvRollout, episodes, seeds: dict[int, int]) -> None:
+def check_attribution(rollout: EpisodeRunner, episodes, seeds: dict[int, int]) -> None:
     """Each episode's turns re-derive from its own transcript: the counter env echoes the seed and
     the decoded action into its next observation, so a swapped sample cannot go unnoticed."""
     tok, enc = rollout.tokenizer, rollout.encoder
@@ -66,7 +66,7 @@ def check_attribution(rollout: EnvRollout, episodes, seeds: dict[int, int]) -> N
 
 
 def test_collect_validates_its_arguments(engine, tok):
-    ro = EnvRollout(engine, TurnEncoder(tok), CounterEnv)
+    ro = EpisodeRunner(engine, TurnEncoder(tok), CounterEnv)
     try:
         with pytest.raises(ValueError, match="mode"):
             ro.collect([1], PARAMS, mode="batch")
@@ -83,9 +83,9 @@ def test_collect_validates_its_arguments(engine, tok):
         with pytest.raises(ValueError, match="launch_groups"):
             ro.collect([1, 2, 3], PARAMS, groups=2, launch_groups=1)
         with pytest.raises(TypeError, match="encoder"):
-            EnvRollout(engine, tok, CounterEnv)
+            EpisodeRunner(engine, tok, CounterEnv)
         with pytest.raises(ValueError, match="max_turns"):
-            EnvRollout(engine, TurnEncoder(tok), CounterEnv, max_turns=0)
+            EpisodeRunner(engine, TurnEncoder(tok), CounterEnv, max_turns=0)
         assert ro.num_env_workers == 0  # nothing was started by the failed calls
     finally:
         ro.close()
@@ -120,7 +120,7 @@ def test_hang_raise_and_kill_are_dropped_replaced_counted_and_never_misattribute
     engine, tok, tmp_path, mode
 ):
     faults = {11: ("hang", 2), 12: ("raise", 1), 13: ("kill", 2)}
-    ro = EnvRollout(
+    ro = EpisodeRunner(
         engine,
         TurnEncoder(tok),
         FaultOnceEnv,
@@ -145,7 +145,7 @@ def test_hang_raise_and_kill_are_dropped_replaced_counted_and_never_misattribute
 
 @pytest.mark.slow
 def test_lockstep_and_async_keep_the_same_trajectories_count_and_async_batches_requests(engine, tok):
-    ro = EnvRollout(engine, TurnEncoder(tok), CounterEnv, {"max_turns": 3})
+    ro = EpisodeRunner(engine, TurnEncoder(tok), CounterEnv, {"max_turns": 3})
     try:
         seeds = [3, 4, 5, 6]
         lock = ro.collect(seeds, PARAMS, group_size=2, mode="lockstep")
@@ -174,7 +174,7 @@ def test_redundant_rollout_keeps_first_finishers_and_cancels_the_rest(engine, to
         "latency_mean_s": 0.1,
         "latency_std_s": 0.1,
     }
-    ro = EnvRollout(engine, TurnEncoder(tok), LatencyEnv, env_kwargs)
+    ro = EpisodeRunner(engine, TurnEncoder(tok), LatencyEnv, env_kwargs)
     try:
         ro.prestart(4 * 3)
         res = ro.collect([1, 2, 3, 4], PARAMS, groups=2, group_size=2, redundancy=1, mode="async")
@@ -191,7 +191,7 @@ def test_redundant_rollout_keeps_first_finishers_and_cancels_the_rest(engine, to
 def test_staleness_is_bounded_per_turn(engine, tok):
     """The weights change while episodes are mid-way: every episode holding a turn older than the
     floor is aborted at its next turn and replaced; what is kept has only fresh turns."""
-    ro = EnvRollout(engine, TurnEncoder(tok), CounterEnv, {"max_turns": 3, "delay_s": 0.3})
+    ro = EpisodeRunner(engine, TurnEncoder(tok), CounterEnv, {"max_turns": 3, "delay_s": 0.3})
     server = ro.server
     start_version = server.policy_version
 

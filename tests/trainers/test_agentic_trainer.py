@@ -1,5 +1,5 @@
 """trainers.agentic_trainer: the multi-turn RL pipeline end to end on a real tiny Qwen2 (transformers
-rollout engine, PyTorch train engine, FrozenLake in EnvRunner worker processes), in each rollout
+rollout engine, PyTorch train engine, FrozenLake in EnvWorkers worker processes), in each rollout
 mode, with StarPO and GiGPO; configuration checks; the W3 benchmark and the recipe at tiny sizes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""trainers.envs.runner.EnvRunner: environments in worker processes, a deadline per call, and
+"""trainers.envs.workers.EnvWorkers: environments in worker processes, a deadline per call, and
 hang / error / died told apart -- exercised with real environments that misbehave
 (trainers.envs.chaos), not with mocks."""
 
@@ -11,14 +11,14 @@ import pytest
 
 from trainers.envs.chaos import CounterEnv, DyingEnv, HangingEnv, RaisingEnv, UnpicklableEnv
 from trainers.envs.frozenlake import FrozenLakeEnv
-from trainers.envs.runner import EnvRunner
+from trainers.envs.workers import EnvWorkers
 
 DEADLINE = 1.0
 
 
 @pytest.fixture
 def runner():
-    r = EnvRunner(deadline_s=DEADLINE, start_timeout_s=60.0)
+    r = EnvWorkers(deadline_s=DEADLINE, start_timeout_s=60.0)
     yield r
     r.close()
 
@@ -98,7 +98,7 @@ def test_construction_failure_and_unpicklable_results_are_errors(runner):
 
 
 def test_without_auto_replace_a_failed_env_stays_dropped():
-    with EnvRunner(deadline_s=DEADLINE, auto_replace=False) as r:
+    with EnvWorkers(deadline_s=DEADLINE, auto_replace=False) as r:
         r.add("x", RaisingEnv)
         r.reset("x", seed=0)
         assert r.step("x", "a").status == "error"
@@ -126,9 +126,9 @@ def test_submit_runs_off_the_callers_thread(runner):
 
 def test_bad_input_raises(runner):
     with pytest.raises(ValueError, match="deadline_s"):
-        EnvRunner(deadline_s=0)
+        EnvWorkers(deadline_s=0)
     with pytest.raises(ValueError, match="never 'fork'"):
-        EnvRunner(start_method="fork")
+        EnvWorkers(start_method="fork")
     runner.add("a", CounterEnv)
     with pytest.raises(ValueError, match="already running"):
         runner.add("a", CounterEnv)
@@ -151,7 +151,7 @@ def test_bad_input_raises(runner):
 
 @pytest.mark.slow
 def test_spawn_start_method_and_a_gem_env_in_a_worker():
-    with EnvRunner(deadline_s=30.0, start_method="spawn") as r:
+    with EnvWorkers(deadline_s=30.0, start_method="spawn") as r:
         r.add("lake", "frozenlake")
         r.add("dying", DyingEnv)
         assert r.reset("lake", seed=0).ok and r.reset("dying", seed=0).ok

@@ -14,18 +14,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rollkit.trajectory import build_trajectory
-from trainers.envs.base import (
-    ENVS,
-    Env,
-    extract_boxed,
-    list_envs,
-    make_env,
-    parse_direction,
-    register_env,
-    stable_state_id,
-)
+from trainers.envs.base import Env, extract_boxed, parse_direction, stable_state_id
 from trainers.envs.calculator import CalcError, CalculatorEnv, parse_tool_calls, safe_eval
 from trainers.envs.frozenlake import FrozenLakeEnv
+from trainers.envs.registry import ENVS, list_envs, make_env, register_env
 from trainers.envs.sokoban import SokobanEnv
 
 MOVES = ("up", "down", "left", "right")
@@ -424,7 +416,7 @@ def test_run_episode_contexts_are_the_trajectory_prefixes_and_logprobs_line_up()
     pytest.importorskip("transformers")
     from trainers.engines.base import SamplingParams
     from trainers.engines.hf_rollout import HFRolloutEngine
-    from trainers.envs.trajectory import TurnEncoder, engine_policy, run_episode
+    from trainers.envs.turns import TurnEncoder, engine_policy, run_episode
     from trainers.models import char_tokenizer, tiny_qwen2
 
     tok = char_tokenizer()
@@ -458,7 +450,7 @@ def test_run_episode_contexts_are_the_trajectory_prefixes_and_logprobs_line_up()
 
 def test_turn_encoder_chat_template_increments_equal_the_full_render():
     pytest.importorskip("transformers")
-    from trainers.envs.trajectory import TurnEncoder
+    from trainers.envs.turns import TurnEncoder
     from trainers.models import char_tokenizer
 
     tok = char_tokenizer()

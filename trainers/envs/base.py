@@ -1,4 +1,5 @@
-"""The environment interface of rollkit's agentic trainers, and its registry.
+"""The environment interface of rollkit's agentic trainers, and the action / seed helpers of
+the built-in environments.
 
 The interface is GEM's (Axon-RL's General Experience Maker, PyPI ``gem-llm``), itself the
 Gymnasium API with text in and text out, so that GEM environments plug in unchanged
@@ -7,47 +8,34 @@ Gymnasium API with text in and text out, so that GEM environments plug in unchan
     observation, info = env.reset(seed=None)
     observation, reward, terminated, truncated, info = env.step(action_text)
 
-plus one method that GEM does not have, :meth:`Env.state_key`: a hashable value that is equal
-exactly when two environment states are the same. GiGPO (Feng et al., 2025,
-arXiv:2505.10978) groups the steps of a task group by identical states;
-:func:`stable_state_id` turns a key into the integer ``state_ids`` that
-:func:`rollkit.advantages.gigpo_advantages` takes, the same in every process.
-
-Conventions of the built-in environments (shared with GEM's games):
-
-* ``reset(seed)`` is deterministic: the same seed gives the same task, whatever happened before.
-  Observations are self-contained text: each one repeats the board / state a small model
-  needs, so the policy can act on the latest observation alone.
-* Actions are parsed from free text: the **last** ``\\boxed{...}`` (GEM's convention) wins; the
-  built-in games also accept a bare direction word when there is no ``\\boxed{}``.
-* An action that cannot be parsed (a *format error*) gives ``format_penalty`` (GEM: ``-0.1``)
-  and, as in GEM, ends the episode (``terminated=True``) unless ``end_on_format_error=False``.
-  A well-formed but impossible action (walking into a wall) gives reward 0, an observation
-  saying so, and the episode goes on.
-* ``max_turns`` steps without finishing set ``truncated=True`` (Gymnasium's time limit;
-  GEM's games also set ``terminated=True`` there, which :mod:`trainers.envs.gem` passes on
-  unchanged: callers stop on ``terminated or truncated``).
+plus :meth:`Env.state_key`, a hashable value equal exactly when two environment states are the
+same; :func:`stable_state_id` turns it into the integer ``state_ids`` that GiGPO
+(:func:`rollkit.advantages.gigpo_advantages`) groups steps by, the same in every process. The
+conventions of the built-in environments (deterministic ``reset(seed)``, self-contained
+observations, the last ``\\boxed{...}`` wins, format errors, ``max_turns``) are in
+``docs/agentic.md``. The registry (:func:`~trainers.envs.registry.make_env`) is
+:mod:`trainers.envs.registry`.
 """
 
 from __future__ import annotations
 
 import abc
 import hashlib
-import importlib
 import re
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 __all__ = [
-    "ENVS",
+    "DIRECTIONS",
+    "FORMAT_PENALTY",
     "Env",
     "StepResult",
     "begin_grid_step",
+    "check_action",
+    "check_positive_int",
+    "check_seed",
     "extract_boxed",
     "parse_direction",
-    "list_envs",
-    "make_env",
-    "register_env",
     "stable_state_id",
 ]
 
@@ -175,71 +163,21 @@ def begin_grid_step(env: Any, action: object) -> tuple[str | None, dict[str, Any
 
 
 def check_action(action: object) -> str:
+    """``action``, checked to be a str (``TypeError`` naming it otherwise)."""
     if not isinstance(action, str):
         raise TypeError(f"action: expected a str, got {type(action).__name__}")
     return action
 
 
 def check_seed(seed: object) -> int | None:
+    """``seed``, checked to be an int >= 0 or None (``ValueError`` naming it otherwise)."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed: expected an int >= 0 or None, got {seed!r}")
     return seed
 
 
 def check_positive_int(name: str, value: object) -> int:
+    """``value``, checked to be an int >= 1 (``ValueError`` naming ``name`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
     return value
-
-
-# --------------------------------------------------------------------------- registry
-
-#: name -> factory (a class or a ``"module:attr"`` string, imported on first use)
-ENVS: dict[str, Callable[..., Env] | str] = {
-    "frozenlake": "trainers.envs.frozenlake:FrozenLakeEnv",
-    "sokoban": "trainers.envs.sokoban:SokobanEnv",
-    "calculator": "trainers.envs.calculator:CalculatorEnv",
-}
-
-
-def register_env(name: str, factory: Callable[..., Env] | str, *, overwrite: bool = False) -> None:
-    """Register ``factory`` (a callable returning an :class:`Env`, or ``"module:attr"``)."""
-    if not isinstance(name, str) or not name or name.startswith("gem:"):
-        raise ValueError(f"name: expected a non-empty str not starting with 'gem:', got {name!r}")
-    if name in ENVS and not overwrite:
-        raise ValueError(f"name: environment {name!r} is already registered (pass overwrite=True)")
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise TypeError(f"factory: expected a callable or 'module:attr', got {factory!r}")
-    ENVS[name] = factory
-
-
-def list_envs() -> list[str]:
-    """Registered names (GEM's ids are reached as ``"gem:<gem id>"``)."""
-    return sorted(ENVS)
-
-
-def resolve_factory(factory: Callable[..., Env] | str) -> Callable[..., Env]:
-    if isinstance(factory, str):
-        module, _, attr = factory.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    return factory
-
-
-def make_env(name: str, **kwargs: Any) -> Env:
-    """Build a registered environment: ``make_env("frozenlake", size=4)``; a GEM environment by
-    its GEM id after ``gem:``: ``make_env("gem:game:Sokoban-v0-easy")`` (needs ``gem-llm``).
-
-    >>> env = make_env("frozenlake", size=4)
-    >>> obs, info = env.reset(seed=0)
-    >>> "P" in obs and "G" in obs
-    True
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"name: expected a str, got {type(name).__name__}")
-    if name.startswith("gem:"):
-        from trainers.envs.gem import GemEnv
-
-        return GemEnv(name[len("gem:") :], **kwargs)
-    if name not in ENVS:
-        raise ValueError(f"name: unknown environment {name!r}; registered: {list_envs()} or 'gem:<id>'")
-    return resolve_factory(ENVS[name])(**kwargs)

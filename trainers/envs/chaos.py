@@ -1,4 +1,4 @@
-"""Environments that misbehave on purpose, to exercise :class:`trainers.envs.runner.EnvRunner`.
+"""Environments that misbehave on purpose, to exercise :class:`trainers.envs.workers.EnvWorkers`.
 
 Each is a real, small :class:`~trainers.envs.base.Env` (a counter: the observation is the step
 number) that fails in one way at a chosen step -- the failure modes a rollout must survive:
@@ -10,10 +10,10 @@ number) that fails in one way at a chosen step -- the failure modes a rollout mu
 * :class:`UnpicklableEnv`: returns a result that cannot cross a process boundary.
 * :class:`FaultOnceEnv`: a healthy counter, except that chosen tasks fail in a chosen way the
   *first* time they reach a chosen step (recorded with a marker file), so the replacement
-  episode of the same task succeeds -- for rollout drivers that drop and replace.
+  episode of the same task succeeds -- for episode runners that drop and replace.
 
 ``fail_at`` is the 1-based step that fails (``0``: ``reset`` fails). Never run these in the
-caller's process except to test that they misbehave: the runner isolates them.
+caller's process except to test that they misbehave: the worker processes isolate them.
 """
 
 from __future__ import annotations

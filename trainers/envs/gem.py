@@ -22,7 +22,7 @@ GEM ids look like ``"game:Sokoban-v0-easy"``, ``"game:GuessTheNumber-v0-easy"``,
 ENV_REGISTRY`` lists them); the game environments run offline. ``make_env("gem:<id>")``
 builds one. Note that GEM's ``reset(seed)`` seeds Python's and NumPy's *global* random
 generators (``gem.utils.seeding.set_seed``): run GEM environments in their own processes
-(:class:`trainers.envs.runner.EnvRunner`) when other code in the process relies on them.
+(:class:`trainers.envs.workers.EnvWorkers`) when other code in the process relies on them.
 
 ``import gem`` needs ``reasoning-gym`` (imported by ``gem.envs``); ``gem-llm`` 0.1.0 pins
 ``msgspec==0.19.0``, which conflicts with vLLM's, so install it with ``--no-deps`` next to
@@ -71,12 +71,15 @@ def _gem() -> Any:
         ) from e
 
 
+def _registry() -> dict[str, Any]:
+    """GEM's ``gem.envs.registration.ENV_REGISTRY`` (id -> spec)."""
+    return require("gem.envs.registration").ENV_REGISTRY
+
+
 def gem_env_ids(prefix: str = "game:") -> list[str]:
     """GEM's registered ids starting with ``prefix`` (``""``: all)."""
     _gem()
-    from gem.envs.registration import ENV_REGISTRY
-
-    return sorted(k for k in ENV_REGISTRY if k.startswith(prefix))
+    return sorted(k for k in _registry() if k.startswith(prefix))
 
 
 class GemEnv(Env):
@@ -101,10 +104,9 @@ class GemEnv(Env):
         if not isinstance(env_id, str) or not env_id:
             raise ValueError(f"env_id: expected a GEM id such as 'game:Sokoban-v0-easy', got {env_id!r}")
         gem = _gem()
-        from gem.envs.registration import ENV_REGISTRY
-
-        if env_id not in ENV_REGISTRY:
-            close = sorted(k for k in ENV_REGISTRY if k.split("-")[0] == env_id.split("-")[0])
+        registry = _registry()
+        if env_id not in registry:
+            close = sorted(k for k in registry if k.split("-")[0] == env_id.split("-")[0])
             raise ValueError(
                 f"env_id: GEM has no environment {env_id!r}" + (f"; did you mean {close}?" if close else "")
             )

@@ -1,7 +1,7 @@
-"""Environment wrappers used by the multi-turn rollout drivers (:mod:`trainers.envs.rollout`).
+"""Environment wrappers used by the episode runner (:mod:`trainers.envs.episodes`).
 
 * :class:`StateIdEnv` reports ``info["state_id"] = stable_state_id(env.state_key())`` with every
-  ``reset`` / ``step``: the environment lives in an :class:`~trainers.envs.runner.EnvRunner`
+  ``reset`` / ``step``: the environment lives in an :class:`~trainers.envs.workers.EnvWorkers`
   worker process, so the state id (GiGPO's anchor state) must travel back with the reply
   instead of costing another round trip.
 * :class:`LatencyEnv` makes a real environment slow and flaky, the way production tool /
@@ -12,7 +12,7 @@
   here).
 
 Both take the inner environment as a registered name (or ``"module:attr"`` / a class) plus its
-keyword arguments, so they stay picklable for the runner's workers. Neither imports torch.
+keyword arguments, so they stay picklable for the worker processes. Neither imports torch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from trainers.envs.base import Env, StepResult, make_env, resolve_factory, stable_state_id
+from trainers.envs.base import Env, StepResult, stable_state_id
+from trainers.envs.registry import make_env, resolve_factory
 
 __all__ = ["FAIL_MODES", "LatencyEnv", "StateIdEnv", "build_inner"]
 

@@ -1,34 +1,12 @@
-"""Run environments in worker processes, with a deadline per call and failures told apart.
+"""Environments in worker processes, with a deadline per call and failures told apart.
 
-An environment is third-party code: it can hang (*fail-slow*), raise, or take its process down
-(*fail-stop*). :class:`EnvRunner` keeps every environment in its own worker process and calls
-``reset`` / ``step`` over a pipe, so the caller's thread never runs environment code and a
-misbehaving environment cannot take the trainer with it. Every call returns an
-:class:`EnvResult` whose ``status`` is one of:
-
-==========  ===============================================================================
-``ok``      the call returned; ``value`` is what ``reset`` / ``step`` returned
-``hang``    no reply within the deadline: the worker is killed (``SIGKILL``)
-``error``   the environment raised (or could not be built, or returned something that
-            cannot be pickled); ``error`` holds the exception type, message and traceback
-``died``    the worker process ended during the call (``os._exit``, a signal, the OOM killer);
-            ``error`` says how (exit code or signal name)
-==========  ===============================================================================
-
-After ``hang`` / ``error`` / ``died`` the environment is **dropped and replaced**
-(``auto_replace=True``): its worker is killed and a fresh one builds a new environment from
-the same factory. The episode that was running is lost -- the caller must ``reset`` the new
-environment (its next ``step`` before a ``reset`` is whatever the environment does then).
-Counts of every status, of calls and of replacements are in :attr:`EnvRunner.metrics`.
-
-Workers start with ``forkserver`` (default) or ``spawn``, never plain ``fork``: forking a
-process that already runs torch / OpenMP / Ray threads can deadlock the child. The forkserver
-preloads :mod:`trainers.envs`, so a replacement starts in milliseconds. The time a worker
-takes to build its environment is bounded by ``start_timeout_s``, separately from the
-per-call ``deadline_s``.
-
-Environment factories must be picklable: a registered name (``"frozenlake"``, ``"gem:..."``,
-built with :func:`~trainers.envs.base.make_env`), or a class / module-level function.
+An environment is third-party code: it can hang, raise, or take its process down.
+:class:`EnvWorkers` keeps every environment in its own worker process and calls ``reset`` /
+``step`` over a pipe; every call returns an :class:`EnvResult` whose ``status`` is ``ok``,
+``hang`` (no reply within the deadline: the worker is killed), ``error`` (the environment
+raised) or ``died`` (the worker process ended), and a failed environment is replaced by a fresh
+one. Workers start with ``forkserver`` (default, preloading :mod:`trainers.envs`) or ``spawn``,
+never ``fork``. The statuses, replacement and start-up rules are in ``docs/agentic.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +24,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["STATUSES", "EnvResult", "EnvRunner"]
+from trainers.envs.registry import make_env
+
+__all__ = ["STATUSES", "EnvResult", "EnvWorkers"]
 
 #: the possible :attr:`EnvResult.status` values
 STATUSES = ("ok", "hang", "error", "died")
@@ -85,8 +65,6 @@ def _worker(conn: Connection, factory: Any, kwargs: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
         if isinstance(factory, str):
-            from trainers.envs.base import make_env
-
             env = make_env(factory, **kwargs)
         else:
             env = factory(**kwargs)
@@ -147,7 +125,7 @@ class _Slot:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class EnvRunner:
+class EnvWorkers:
     """Environments in worker processes, called with a deadline (module docstring).
 
     Args:
@@ -161,11 +139,11 @@ class EnvRunner:
     environment has its own lock); :meth:`run` calls many environments in parallel from one
     thread. Use it as a context manager, or call :meth:`close`.
 
-    >>> with EnvRunner(deadline_s=10.0) as runner:
-    ...     runner.add("lake-0", "frozenlake", size=3, hole_prob=0.0)
-    ...     obs, info = runner.reset("lake-0", seed=0).value
-    ...     result = runner.step("lake-0", r"\\boxed{right}")
-    >>> result.status, result.value[1:4], runner.metrics["ok"]
+    >>> with EnvWorkers(deadline_s=10.0) as workers:
+    ...     workers.add("lake-0", "frozenlake", size=3, hole_prob=0.0)
+    ...     obs, info = workers.reset("lake-0", seed=0).value
+    ...     result = workers.step("lake-0", r"\\boxed{right}")
+    >>> result.status, result.value[1:4], workers.metrics["ok"]
     ('ok', (0.0, False, False), 2)
     """
 
@@ -262,7 +240,7 @@ class EnvRunner:
         self._check_open()
         self._check_calls([(env_id, method, arg)])
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._max_threads, thread_name_prefix="env-runner")
+            self._pool = ThreadPoolExecutor(self._max_threads, thread_name_prefix="env-workers")
         return self._pool.submit(lambda: self.run([(env_id, method, arg)], deadline_s=deadline_s)[0])
 
     def run(
@@ -273,7 +251,7 @@ class EnvRunner:
         Args:
             calls: ``(env_id, "reset", seed)`` or ``(env_id, "step", action)`` items.
             deadline_s: per-call deadline, measured from when the call is sent (default: the
-                runner's).
+                workers').
 
         Returns:
             One :class:`EnvResult` per call, in the order of ``calls``.
@@ -292,7 +270,7 @@ class EnvRunner:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the EnvRunner is closed")
+            raise RuntimeError("the EnvWorkers are closed")
 
     def _slot(self, env_id: Hashable) -> _Slot:
         try:
@@ -460,7 +438,7 @@ class EnvRunner:
                 self._stop(s, graceful=True)
         self._slots.clear()
 
-    def __enter__(self) -> EnvRunner:
+    def __enter__(self) -> EnvWorkers:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,4 +1,4 @@
-"""From text episodes to token turns: the tokenizer-facing side of :mod:`rollkit.trajectory`.
+"""Turns: from text episodes to token turns, the tokenizer-facing side of :mod:`rollkit.trajectory`.
 
 A multi-turn rollout must train on *exactly* the tokens the model sampled and saw. Decoding the
 actions to text and re-tokenizing the whole conversation afterwards does not guarantee that
@@ -15,6 +15,7 @@ adapts a :class:`~trainers.engines.base.RolloutEngine`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,8 +113,6 @@ class Episode:
 def engine_policy(engine: Any, params: Any) -> Policy:
     """A :func:`run_episode` policy from a rollout engine and its ``SamplingParams`` (``n=1``);
     ``max_tokens`` is capped by the room left in the context."""
-    import dataclasses
-
     if getattr(params, "n", 1) != 1:
         raise ValueError(f"params.n: one sample per turn, got n={params.n}")
 

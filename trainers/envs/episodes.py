@@ -1,0 +1,655 @@
+"""Episodes: many episodes of one text environment played with one rollout engine.
+
+:class:`EpisodeRunner` schedules them in one of three ways: **lock-step** (every turn of the
+batch is one engine call, then every environment steps), **environment-level asynchronous**
+(each episode on its own thread, its turns batched by a
+:class:`~trainers.engines.server.GenerationServer`; ROLL Flash, Lu et al., 2025,
+arXiv:2510.11345) and **redundant** (more episodes and task groups than needed, the first
+finishers kept). Environments run in :class:`~trainers.envs.workers.EnvWorkers` processes with
+a deadline per call; an episode whose environment fails is replaced, every turn records the
+policy version that wrote it (per-turn staleness), and :meth:`EpisodeRunner.collect` returns
+an :class:`EpisodeBatch`. The schedules, faults, staleness, attribution and metrics are
+described in ``docs/agentic.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from concurrent.futures import CancelledError
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollkit.trajectory import TrajectoryBatch, Turn, build_batch
+from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.server import GenerationServer
+from trainers.envs.turns import TurnEncoder
+from trainers.envs.workers import EnvResult, EnvWorkers
+from trainers.envs.wrappers import StateIdEnv
+
+__all__ = ["FAILURES", "MODES", "EpisodeBatch", "EpisodeRecord", "EpisodeRunner"]
+
+#: the scheduling modes of :meth:`EpisodeRunner.collect`
+MODES = ("lockstep", "async")
+_RUNNER_IDS = itertools.count()
+#: statuses of a finished :class:`EpisodeRecord` that drop it and launch a replacement
+FAILURES = ("hang", "error", "died", "stale")
+#: the counters of one :meth:`EpisodeRunner.collect` call
+_COUNTS = ("hang", "error", "died", "stale", "replaced", "cancelled", "launched", "abandoned", "discarded")
+
+
+@dataclass
+class EpisodeRecord:
+    """One launched episode: its task, its turns and text transcript, and how it ended.
+
+    ``status``: ``"running"``, ``"done"`` (played to the end: terminated, truncated, out of
+    ``max_turns`` or ``context_full``), ``"hang"`` / ``"error"`` / ``"died"`` (its environment
+    failed; ``error`` says how), ``"stale"`` (a turn fell below the version floor),
+    ``"cancelled"``, or ``"crash"`` (the driver or the engine raised: a bug, re-raised).
+    ``versions[k]`` is the policy version that generated turn ``k``.
+    """
+
+    uid: int
+    group: int
+    seed: int
+    slot: Hashable = None
+    status: str = "running"
+    turns: list[Turn] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    terminated: bool = False
+    truncated: bool = False
+    context_full: bool = False
+    error: str | None = None
+    incarnation: int = 0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    env_s: float = 0.0
+
+    @property
+    def total_reward(self) -> float:
+        return sum(t.reward for t in self.turns)
+
+    @property
+    def success(self) -> bool:
+        """The episode ended with a positive final reward (FrozenLake / Sokoban: solved)."""
+        return self.terminated and bool(self.turns) and self.turns[-1].reward > 0
+
+
+@dataclass
+class EpisodeBatch:
+    """What :meth:`EpisodeRunner.collect` kept: ``groups x group_size`` finished episodes, grouped
+    (``group_ids[i]`` is the task group of ``episodes[i]``; all episodes of a group share the
+    task seed ``seeds[group]``), and the call's metrics."""
+
+    episodes: list[EpisodeRecord]
+    group_ids: list[int]
+    seeds: dict[int, int]
+    metrics: dict[str, float]
+
+    def to_batch(
+        self, *, max_context: int | None = None, policy: str = "truncate", pad_token_id: int = 0
+    ) -> TrajectoryBatch:
+        """:func:`rollkit.trajectory.build_batch` of the kept episodes."""
+        return build_batch(
+            [e.turns for e in self.episodes],
+            self.group_ids,
+            max_context=max_context,
+            policy=policy,
+            pad_token_id=pad_token_id,
+        )
+
+
+@dataclass
+class _Group:
+    index: int
+    seed: int
+    kept: list[EpisodeRecord] = field(default_factory=list)
+    running: dict[int, EpisodeRecord] = field(default_factory=dict)
+    launched: int = 0
+    closed: bool = False
+
+
+class _Control:
+    """Shared state of one collect call: cancellations and the version floor."""
+
+    def __init__(self, version_floor: Callable[[], int] | None) -> None:
+        self.version_floor = version_floor
+        self.cancelled: set[int] = set()
+        self.events: queue.Queue[EpisodeRecord] = queue.Queue()
+
+    def floor(self) -> int | None:
+        return None if self.version_floor is None else int(self.version_floor())
+
+    def stale(self, rec: EpisodeRecord) -> bool:
+        f = self.floor()
+        return f is not None and bool(rec.versions) and min(rec.versions) < f
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The checked arguments of one :meth:`EpisodeRunner.collect` call."""
+
+    seeds: list[int]
+    params: SamplingParams
+    groups: int
+    group_size: int
+    mode: str
+    redundancy: int
+    launch_groups: int
+    version_floor: Callable[[], int] | None
+    max_attempts: int
+
+
+def _check_collect(
+    seeds: Sequence[int],
+    params: SamplingParams,
+    groups: int | None,
+    group_size: int,
+    mode: str,
+    redundancy: int,
+    launch_groups: int | None,
+    version_floor: Callable[[], int] | None,
+    max_attempts: int | None,
+) -> _Call:
+    """The arguments of :meth:`EpisodeRunner.collect`, checked and defaulted (``ValueError``
+    naming the first bad one)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    seeds = [int(s) for s in seeds]
+    groups = len(seeds) if groups is None else groups
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"groups: expected an int >= 1, got {groups!r}")
+    if len(seeds) < groups:
+        raise ValueError(f"seeds: {len(seeds)} task seeds for {groups} groups")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError("seeds: must be distinct (one task per group)")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+    if isinstance(redundancy, bool) or not isinstance(redundancy, int) or redundancy < 0:
+        raise ValueError(f"redundancy: expected an int >= 0, got {redundancy!r}")
+    launch_groups = len(seeds) if launch_groups is None else launch_groups
+    if not groups <= launch_groups <= len(seeds):
+        raise ValueError(
+            f"launch_groups: expected {groups} <= launch_groups <= {len(seeds)}, got {launch_groups}"
+        )
+    if mode == "lockstep" and redundancy:
+        raise ValueError("redundancy: lock-step rollout has no redundant environments (use mode='async')")
+    if params.n != 1:
+        raise ValueError(f"params.n: one sample per turn, got n={params.n}")
+    max_attempts = 3 * (group_size + redundancy) if max_attempts is None else max_attempts
+    if max_attempts < group_size + redundancy:
+        raise ValueError(f"max_attempts: must be >= group_size + redundancy, got {max_attempts}")
+    return _Call(
+        seeds, params, groups, group_size, mode, redundancy, launch_groups, version_floor, max_attempts
+    )
+
+
+class EpisodeRunner:
+    """Plays episodes of one environment with one rollout engine (module docstring).
+
+    Args:
+        engine: the rollout engine (wrapped in a :class:`GenerationServer`), or a server.
+        encoder: a :class:`~trainers.envs.turns.TurnEncoder` (text -> token turns).
+        env: a registered environment name, ``"module:attr"`` or a picklable class.
+        env_kwargs: its keyword arguments.
+        max_turns: the most turns per episode (``None``: until the environment ends it).
+        max_context: the most tokens of an episode, prompt included (``None``: no limit).
+        workers: the :class:`~trainers.envs.workers.EnvWorkers` to play in (default: new ones
+            with ``deadline_s``; pass shared ones to reuse their processes).
+        deadline_s: per environment call (when the workers are built here).
+        max_batch_size: the most requests per engine call in ``async`` mode.
+
+    Environments run in the worker processes, one per concurrent episode, reused
+    across calls; every worker builds ``StateIdEnv(env, env_kwargs)`` so the GiGPO state id of
+    each turn comes back with the observation. Close with :meth:`close` (or ``with``).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        encoder: TurnEncoder,
+        env: str | Callable[..., Any],
+        env_kwargs: dict[str, Any] | None = None,
+        *,
+        max_turns: int | None = None,
+        max_context: int | None = None,
+        workers: EnvWorkers | None = None,
+        deadline_s: float = 30.0,
+        start_method: str = "forkserver",
+        max_batch_size: int | None = None,
+    ) -> None:
+        if not isinstance(encoder, TurnEncoder):
+            raise TypeError(f"encoder: expected a TurnEncoder, got {type(encoder).__name__}")
+        for name, v in (("max_turns", max_turns), ("max_context", max_context)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}: expected an int >= 1 or None, got {v!r}")
+        self.server = (
+            engine
+            if isinstance(engine, GenerationServer)
+            else GenerationServer(engine, max_batch_size=max_batch_size)
+        )
+        self.encoder = encoder
+        self.tokenizer = encoder.tokenizer
+        self.env, self.env_kwargs = env, dict(env_kwargs or {})
+        self.max_turns = max_turns
+        self.max_context = max_context
+        self._own_workers = workers is None
+        self.workers = workers or EnvWorkers(deadline_s=deadline_s, start_method=start_method, max_threads=64)
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self._slot_lock = threading.Lock()
+        self._free: list[Hashable] = []
+        self._slot_ids = itertools.count()
+        self._prefix = f"r{next(_RUNNER_IDS)}-"  # slot ids stay unique when workers are shared
+        self._uids = itertools.count()
+
+    # ------------------------------------------------------------------ slots
+
+    def _acquire(self) -> Hashable:
+        with self._slot_lock:
+            if self._free:
+                return self._free.pop()
+            slot = f"{self._prefix}env-{next(self._slot_ids)}"
+            self.workers.add(slot, StateIdEnv, env=self.env, env_kwargs=self.env_kwargs)
+            return slot
+
+    def _release(self, slot: Hashable) -> None:
+        with self._slot_lock:
+            self._free.append(slot)
+
+    def prestart(self, n: int) -> None:
+        """Start environment workers until at least ``n`` exist and wait until they are ready
+        (each is reset once), so that a timed rollout does not pay for process start-up."""
+        with self._slot_lock:
+            new = []
+            while len(self.workers) < n:
+                slot = f"{self._prefix}env-{next(self._slot_ids)}"
+                self.workers.add(slot, StateIdEnv, env=self.env, env_kwargs=self.env_kwargs)
+                self._free.append(slot)
+                new.append(slot)
+        if new:
+            self.workers.run([(s, "reset", 0) for s in new])
+
+    @property
+    def num_env_workers(self) -> int:
+        return len(self.workers)
+
+    # ------------------------------------------------------------------ one episode
+
+    def _limit(self) -> int:
+        return self.max_context if self.max_context is not None else 1 << 62
+
+    def _fail(self, rec: EpisodeRecord, res: EnvResult) -> None:
+        rec.status, rec.error, rec.incarnation = res.status, res.error, res.incarnation
+
+    def _begin(self, rec: EpisodeRecord, res: EnvResult) -> tuple[list[int], int] | None:
+        """Apply a ``reset`` reply: ``(obs_ids, state_id)``, or None after a failure."""
+        rec.env_s += res.elapsed_s
+        if not res.ok:
+            self._fail(rec, res)
+            return None
+        obs, info = res.value
+        rec.observations.append(obs)
+        rec.incarnation = res.incarnation
+        with self._tok_lock:
+            obs_ids = self.encoder.prompt_ids(obs)
+        if len(obs_ids) >= self._limit():
+            raise ValueError(
+                f"max_context: the first prompt has {len(obs_ids)} tokens, no room for an action "
+                f"within max_context={self.max_context}"
+            )
+        return obs_ids, int(info.get("state_id", 0))
+
+    def _apply(
+        self,
+        rec: EpisodeRecord,
+        context: list[int],
+        obs_ids: list[int],
+        state_id: int,
+        g: Generation,
+        text: str,
+        res: EnvResult,
+    ) -> tuple[list[int], int] | None:
+        """Apply a ``step`` reply to the episode; ``(next obs_ids, next state_id)`` while it goes on,
+        None when it ended (``status`` set)."""
+        rec.env_s += res.elapsed_s
+        if not res.ok:
+            self._fail(rec, res)
+            return None
+        obs, reward, terminated, truncated, info = res.value
+        rec.turns.append(Turn(obs_ids, list(g.token_ids), list(g.logprobs), float(reward), state_id))
+        rec.versions.append(int(g.policy_version))
+        rec.actions.append(text)
+        rec.observations.append(obs)
+        rec.terminated, rec.truncated = bool(terminated), bool(truncated)
+        if terminated or truncated or (self.max_turns is not None and len(rec.turns) >= self.max_turns):
+            rec.status = "done"
+            return None
+        with self._tok_lock:
+            nxt = self.encoder.obs_ids(obs, g.token_ids)
+        context += g.token_ids
+        if len(context) + len(nxt) >= self._limit():  # no room for another action
+            rec.context_full, rec.status = True, "done"
+            return None
+        context += nxt
+        return nxt, int(info.get("state_id", 0))
+
+    def _check_sample(self, g: Generation, context: list[int]) -> None:
+        if list(g.prompt_ids) != context:
+            raise RuntimeError("a generation came back for another context: sample attribution is broken")
+
+    def _play(self, rec: EpisodeRecord, params: SamplingParams, ctl: _Control) -> None:
+        """Thread body of one asynchronous episode."""
+        slot = self._acquire()
+        rec.slot, rec.started_at = slot, time.perf_counter()
+        try:
+            begun = self._begin(rec, self.workers.reset(slot, rec.seed))
+            if begun is None:
+                return
+            obs_ids, state_id = begun
+            context = list(obs_ids)
+            while True:
+                if rec.uid in ctl.cancelled:
+                    rec.status = "cancelled"
+                    return
+                if ctl.stale(rec):
+                    rec.status = "stale"
+                    return
+                fut = self.server.submit(context, params, room=self._limit() - len(context), tag=rec.uid)
+                try:
+                    g = fut.result()
+                except CancelledError:
+                    rec.status = "cancelled"
+                    return
+                self._check_sample(g, context)
+                floor = ctl.floor()
+                if floor is not None and g.policy_version < floor:
+                    rec.status = "stale"
+                    return
+                with self._tok_lock:
+                    text = self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+                nxt = self._apply(rec, context, obs_ids, state_id, g, text, self.workers.step(slot, text))
+                if nxt is None:
+                    if rec.status == "done" and ctl.stale(rec):
+                        rec.status = "stale"
+                    return
+                obs_ids, state_id = nxt
+        except BaseException:
+            rec.status, rec.error = "crash", traceback.format_exc()
+        finally:
+            rec.finished_at = time.perf_counter()
+            self._release(slot)
+            ctl.events.put(rec)
+
+    # ------------------------------------------------------------------ collect
+
+    def collect(
+        self,
+        seeds: Sequence[int],
+        params: SamplingParams,
+        *,
+        groups: int | None = None,
+        group_size: int = 1,
+        mode: str = "async",
+        redundancy: int = 0,
+        launch_groups: int | None = None,
+        version_floor: Callable[[], int] | None = None,
+        max_attempts: int | None = None,
+    ) -> EpisodeBatch:
+        """Play until ``groups`` task groups each have ``group_size`` finished episodes.
+
+        Args:
+            seeds: task seeds, one per task group (``reset(seed)``); ``async`` launches the
+                first ``launch_groups`` at once (``launch_groups > groups`` is redundancy over
+                groups), ``lockstep`` the first ``groups``; the others are spares that replace
+                abandoned groups.
+            params: sampling parameters (``n = 1``; ``max_tokens`` per turn).
+            groups: task groups needed (default ``len(seeds)``).
+            group_size: episodes kept per group.
+            mode: ``"lockstep"`` or ``"async"``.
+            redundancy: extra episodes launched per group (``async`` only).
+            launch_groups: task groups launched at once in ``async`` mode (default
+                ``len(seeds)``; at least ``groups``).
+            version_floor: the oldest admissible policy version (a callable, read before every
+                turn and when its action comes back); an episode holding an older turn is
+                aborted as ``stale`` and replaced.
+            max_attempts: the most episodes launched for one group before it is abandoned
+                (default ``3 * (group_size + redundancy)``).
+
+        Returns:
+            An :class:`EpisodeBatch`; raises ``RuntimeError`` when the spare seeds run out or an
+            episode crashed (engine error, context too small), ``ValueError`` on bad arguments.
+        """
+        call = _check_collect(
+            seeds, params, groups, group_size, mode, redundancy, launch_groups, version_floor, max_attempts
+        )
+        counts = dict.fromkeys(_COUNTS, 0)
+        t0 = time.perf_counter()
+        server0 = dict(self.server.stats)
+        schedule = _collect_async if call.mode == "async" else _collect_lockstep
+        done = schedule(self, call, counts)
+        done.sort(key=lambda g: g.index)
+        episodes = [e for g in done for e in g.kept]
+        metrics = self._metrics(call.mode, done, counts, server0)
+        metrics["time/collect"] = time.perf_counter() - t0
+        return EpisodeBatch(
+            episodes, [g.index for g in done for _ in g.kept], {g.index: g.seed for g in done}, metrics
+        )
+
+    def _metrics(
+        self, mode: str, done: list[_Group], counts: dict[str, int], server0: dict[str, int]
+    ) -> dict[str, float]:
+        """The metrics of one collect call (``server0``: the server's stats before it)."""
+        calls = self.server.stats["calls"] - server0["calls"]
+        requests = self.server.stats["requests"] - server0["requests"]
+        metrics: dict[str, float] = {
+            f"env/{k}": float(counts[k]) for k in ("hang", "error", "died", "replaced", "cancelled")
+        }
+        metrics.update(
+            {
+                "rollout/stale": float(counts["stale"]),
+                "rollout/launched": float(counts["launched"]),
+                "rollout/abandoned_groups": float(counts["abandoned"]),
+                "rollout/discarded": float(counts["discarded"]),
+                "rollout/episodes": float(sum(len(g.kept) for g in done)),
+                "rollout/engine_calls": float(calls),
+                "rollout/batch_size_mean": (
+                    sum(len(e.turns) for g in done for e in g.kept) / max(calls, 1)
+                    if mode == "lockstep"
+                    else requests / max(calls, 1)
+                ),
+                "rollout/env_workers": float(self.num_env_workers),
+            }
+        )
+        return metrics
+
+    def _launch(self, g: _Group, params: SamplingParams, ctl: _Control, counts: dict[str, int]) -> None:
+        rec = EpisodeRecord(uid=next(self._uids), group=g.index, seed=g.seed)
+        g.running[rec.uid] = rec
+        g.launched += 1
+        counts["launched"] += 1
+        threading.Thread(
+            target=self._play, args=(rec, params, ctl), name=f"episode-{rec.uid}", daemon=True
+        ).start()
+
+    def _cancel(self, recs: Iterable[EpisodeRecord], ctl: _Control, counts: dict[str, int]) -> None:
+        uids = [r.uid for r in recs]
+        ctl.cancelled.update(uids)
+        counts["cancelled"] += len(uids)
+        self.server.cancel(uids)
+
+    # ------------------------------------------------------------------ lock-step
+
+    def _play_lockstep(self, recs: list[EpisodeRecord], params: SamplingParams, ctl: _Control) -> None:
+        """Play ``recs`` together: every turn, one engine call for all, then all environments step."""
+        slots = [self._acquire() for _ in recs]
+        try:
+            now = time.perf_counter()
+            for rec, slot in zip(recs, slots):
+                rec.slot, rec.started_at = slot, now
+            state: dict[int, tuple[list[int], list[int], int]] = {}  # uid -> (context, obs_ids, state_id)
+            for rec, res in zip(recs, self.workers.run([(s, "reset", r.seed) for r, s in zip(recs, slots)])):
+                begun = self._begin(rec, res)
+                if begun is not None:
+                    state[rec.uid] = (list(begun[0]), begun[0], begun[1])
+            active = [r for r in recs if r.uid in state]
+            while active:
+                floor = ctl.floor()
+                for r in active:
+                    if ctl.stale(r):
+                        r.status = "stale"
+                active = [r for r in active if r.status == "running"]
+                if not active:
+                    break
+                contexts = [state[r.uid][0] for r in active]
+                gens = self.server.generate(contexts, params, [self._limit() - len(c) for c in contexts])
+                with self._tok_lock:
+                    texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
+                results = self.workers.run([(r.slot, "step", t) for r, t in zip(active, texts)])
+                nxt_active = []
+                for r, g, text, res in zip(active, gens, texts, results):
+                    context, obs_ids, state_id = state[r.uid]
+                    self._check_sample(g, context)
+                    if floor is not None and g.policy_version < floor:
+                        r.status = "stale"
+                        continue
+                    nxt = self._apply(r, context, obs_ids, state_id, g, text, res)
+                    if nxt is not None:
+                        state[r.uid] = (context, nxt[0], nxt[1])
+                        nxt_active.append(r)
+                    elif r.status == "done" and ctl.stale(r):
+                        r.status = "stale"
+                active = nxt_active
+        finally:
+            end = time.perf_counter()
+            for rec, slot in zip(recs, slots):
+                rec.finished_at = end
+                self._release(slot)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop the generation server and (if built here) the environment workers."""
+        self.server.close()
+        if self._own_workers:
+            self.workers.close()
+
+    def __enter__(self) -> EpisodeRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def _collect_async(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -> list[_Group]:
+    """The ``async`` schedule: the launched groups play at once, an episode per thread; a
+    failed episode is replaced at once; the first ``call.groups`` complete groups are kept."""
+    params, needed, group_size = call.params, call.groups, call.group_size
+    redundancy, max_attempts = call.redundancy, call.max_attempts
+    ctl = _Control(call.version_floor)
+    groups: dict[int, _Group] = {}
+    spare = deque(enumerate(call.seeds))
+    complete: list[_Group] = []
+
+    def open_group() -> None:
+        index, seed = spare.popleft()
+        g = groups[index] = _Group(index, seed)
+        for _ in range(group_size + redundancy):
+            runner._launch(g, params, ctl, counts)
+
+    for _ in range(call.launch_groups):
+        open_group()
+    try:
+        while len(complete) < needed:
+            rec = ctl.events.get()
+            g = groups[rec.group]
+            g.running.pop(rec.uid, None)
+            if rec.status == "crash":
+                raise RuntimeError(f"an episode crashed:\n{rec.error}")
+            if g.closed or rec.uid in ctl.cancelled:
+                continue  # counted as cancelled when its group closed
+            if rec.status == "done":
+                g.kept.append(rec)
+                if len(g.kept) == group_size:
+                    g.closed = True
+                    complete.append(g)
+                    runner._cancel(g.running.values(), ctl, counts)
+                    g.running.clear()
+                continue
+            counts[rec.status] += 1  # hang / error / died / stale: dropped
+            if g.launched < max_attempts:
+                runner._launch(g, params, ctl, counts)
+                counts["replaced"] += 1
+            elif len(g.kept) + len(g.running) < group_size:  # cannot complete any more
+                g.closed = True
+                counts["abandoned"] += 1
+                counts["discarded"] += len(g.kept)
+                runner._cancel(g.running.values(), ctl, counts)
+                g.running.clear()
+                open_now = sum(1 for x in groups.values() if not x.closed)
+                if len(complete) + open_now < needed:
+                    if not spare:
+                        raise RuntimeError(
+                            f"rollout: {counts['abandoned']} task groups abandoned after {max_attempts} "
+                            f"attempts each and no spare seeds left (last failure: {rec.status}: {rec.error})"
+                        )
+                    open_group()
+    finally:  # everything still running is no longer needed
+        rest = [r for g in groups.values() if not g.closed for r in g.running.values()]
+        runner._cancel(rest, ctl, counts)
+        counts["discarded"] += sum(len(g.kept) for g in groups.values() if not g.closed)
+        for g in groups.values():
+            g.running.clear()
+    return complete[:needed]
+
+
+def _collect_lockstep(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -> list[_Group]:
+    """The ``lockstep`` schedule: rounds of :meth:`EpisodeRunner._play_lockstep` over the
+    missing episodes of the ``call.groups`` groups until each has ``call.group_size``; a
+    group that fails ``call.max_attempts`` times gives way to a spare seed."""
+    seeds, needed, group_size, max_attempts = call.seeds, call.groups, call.group_size, call.max_attempts
+    ctl = _Control(call.version_floor)
+    groups = [_Group(i, s) for i, s in enumerate(seeds[:needed])]
+    spare = deque(list(enumerate(seeds))[needed:])
+    while True:
+        todo = [g for g in groups if not g.closed and len(g.kept) < group_size]
+        if not todo:
+            break
+        recs = []
+        for g in todo:
+            for _ in range(group_size - len(g.kept)):
+                recs.append(EpisodeRecord(uid=next(runner._uids), group=g.index, seed=g.seed))
+                g.launched += 1
+                counts["launched"] += 1
+                counts["replaced"] += g.launched > group_size  # beyond the originals
+        runner._play_lockstep(recs, call.params, ctl)
+        by_index = {g.index: g for g in groups}
+        for rec in recs:
+            g = by_index[rec.group]
+            if rec.status == "done":
+                g.kept.append(rec)
+            else:
+                counts[rec.status] += 1
+        for g in list(todo):
+            if len(g.kept) < group_size and g.launched + (group_size - len(g.kept)) > max_attempts:
+                g.closed = True
+                counts["abandoned"] += 1
+                counts["discarded"] += len(g.kept)
+                groups.remove(g)
+                if not spare:
+                    raise RuntimeError(
+                        f"rollout: {counts['abandoned']} task groups abandoned after {max_attempts} "
+                        "attempts each and no spare seeds left"
+                    )
+                index, seed = spare.popleft()
+                groups.append(_Group(index, seed))
+    return groups
