@@ -20,7 +20,11 @@ from typing import Any
 
 from trainers.engines.base import Generation, SamplingParams
 
-__all__ = ["GenerationServer"]
+__all__ = ["ASYNC_SEED_OFFSET", "GenerationServer"]
+
+#: the seeds of the asynchronous (:meth:`GenerationServer.submit`) path start this far from
+#: ``params.seed``, so that they never coincide with the lock-step path's
+ASYNC_SEED_OFFSET = 1 << 32
 
 
 @dataclass
@@ -50,9 +54,14 @@ class GenerationServer:
     with the same sampling parameters (at most ``max_batch_size``) into one
     ``engine.generate`` call, so requests that arrive while the engine is busy form the next
     batch. ``room`` caps a request's tokens (the sample is cut to it; the batch runs with the
-    params' ``max_tokens``). With ``params.seed`` set, the ``i``-th engine call uses seed
-    ``params.seed + i`` (which requests share a call depends on timing, so asynchronous
-    samples are random but not reproducible; lock-step's :meth:`generate` is).
+    params' ``max_tokens``).
+
+    Seeds (with ``params.seed`` set): the two paths count their engine calls separately. The
+    ``i``-th call of :meth:`generate` (lock-step) uses ``params.seed + i``, whatever
+    asynchronous calls came before or in between, so lock-step samples are reproducible. The
+    ``j``-th batch of the :meth:`submit` path uses ``params.seed + ASYNC_SEED_OFFSET + j``;
+    which requests share a batch depends on timing, so asynchronous samples are random but
+    not reproducible.
 
     :meth:`update_weights` and :meth:`generate` take the engine lock between batches: a weight
     update waits for the running batch, and later requests see the new ``policy_version``.
@@ -74,7 +83,8 @@ class GenerationServer:
         self._engine_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queue: deque[_Request] = deque()
-        self._calls = itertools.count()
+        self._direct_calls = itertools.count()  # seeds of the lock-step path (generate)
+        self._async_calls = itertools.count()  # seeds of the asynchronous path (submit)
         self._thread: threading.Thread | None = None
         self._closed = False
         #: ``calls`` (engine calls), ``requests``, ``cancelled`` (dropped before generation)
@@ -84,10 +94,11 @@ class GenerationServer:
     def policy_version(self) -> int:
         return int(getattr(self.engine, "policy_version", 0))
 
-    def _seeded(self, params: SamplingParams) -> SamplingParams:
-        call = next(self._calls)
+    def _seeded(self, params: SamplingParams, offset: int) -> SamplingParams:
+        """``params`` for one engine call (taken under the engine lock); ``offset`` is the
+        call's index on its path (plus :data:`ASYNC_SEED_OFFSET` on the asynchronous one)."""
         self.stats["calls"] += 1
-        seed = None if params.seed is None else (params.seed + call) % (2**63)
+        seed = None if params.seed is None else (params.seed + offset) % (2**63)
         return dataclasses.replace(params, n=1, seed=seed)
 
     # ------------------------------------------------------------------ requests
@@ -158,7 +169,10 @@ class GenerationServer:
                 continue
             try:
                 with self._engine_lock:
-                    gens = self.engine.generate([r.context for r in batch], self._seeded(batch[0].params))
+                    gens = self.engine.generate(
+                        [r.context for r in batch],
+                        self._seeded(batch[0].params, ASYNC_SEED_OFFSET + next(self._async_calls)),
+                    )
                 for r, g in zip(batch, gens):
                     r.future.set_result(_cut(g, r.room))
             except BaseException as e:  # reported to the episodes that asked
@@ -174,7 +188,9 @@ class GenerationServer:
         """One ``engine.generate`` call over all ``contexts`` (the lock-step path), each sample cut
         to its ``rooms`` entry."""
         with self._engine_lock:
-            gens = self.engine.generate([list(c) for c in contexts], self._seeded(params))
+            gens = self.engine.generate(
+                [list(c) for c in contexts], self._seeded(params, next(self._direct_calls))
+            )
         rooms = rooms if rooms is not None else [params.max_tokens] * len(gens)
         return [_cut(g, r) for g, r in zip(gens, rooms)]
 
