@@ -12,9 +12,11 @@ after ``--`` are the same for every cell. Each cell (levels x seed) runs
 ``--sft-steps N`` a supervised warm-up of N steps then RL (for the tiny model, which needs a
 starting accuracy). Cells that finished (``done.json``) are not run again: re-running the
 command resumes an interrupted ablation. ``--ray`` runs cells as Ray tasks of
-``--cpus-per-cell`` CPUs. Outputs in ``--out``: ``metrics.csv`` / ``metrics.parquet`` (per
-step, every cell), ``summary.md`` (final held-out accuracy and AUC, mean ± 95% CI over seeds,
-wall time, tokens) and ``curves.png`` (one panel per factor). See docs/ablations.md.
+``--cpus-per-cell`` CPUs; a cell still running after ``--cell-timeout`` seconds fails.
+Outputs in ``--out``: ``metrics.csv`` / ``metrics.parquet`` (per step, every cell),
+``summary.md`` (final held-out accuracy and AUC, mean ± 95% CI over seeds, wall time,
+tokens) and ``curves.png`` (one panel per factor). The logic is the ``ablations`` package.
+See docs/ablations.md.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+import torch  # noqa: E402
 from rlvr_qwen import recipe_defaults  # noqa: E402
 
-from trainers import ablation as ab  # noqa: E402
+import ablations as ab  # noqa: E402
+from ablations.warm_start import warm_start_fit  # noqa: E402
 from trainers.config import load_config, parse_args  # noqa: E402
 
 
@@ -53,6 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=0, help="cells at once (default: CPUs // --cpus-per-cell)")
     p.add_argument("--cpus-per-cell", type=int, default=1, help="threads / Ray CPUs per cell (default 1)")
     p.add_argument("--ray", action="store_true", help="run cells as Ray tasks (needs ray)")
+    p.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=ab.CELL_TIMEOUT_S,
+        help=f"seconds before a cell's command is killed and the cell fails (default {ab.CELL_TIMEOUT_S:.0f})",
+    )
     p.add_argument("--sft-steps", type=int, default=0, help="supervised warm-up steps before RL (default 0)")
     p.add_argument("--sft-lr", type=float, default=3e-3, help="warm-up learning rate (default 3e-3)")
     p.add_argument("--sft-batch-size", type=int, default=64, help="warm-up batch size (default 64)")
@@ -70,14 +80,55 @@ def parser() -> argparse.ArgumentParser:
 
 def _run_cell(args: argparse.Namespace, overrides: list[str]) -> None:
     """The body of a ``--sft-steps`` cell: the recipe's config, warm-up, then RL."""
-    import torch
-
     cfg = load_config(overrides, base=recipe_defaults())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
-    out = ab.warm_start_fit(
+    out = warm_start_fit(
         cfg, sft_steps=args.sft_steps, sft_lr=args.sft_lr, sft_batch_size=args.sft_batch_size
     )
     print(f"held-out accuracy before: {out['accuracy_before']}, after: {out['accuracy_after']:.3f}")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not args.grid:
+        raise ValueError("--grid: give at least one factor, e.g. --grid algorithm.advantage=grpo,rloo")
+    for flag, value, low in (
+        ("--parallel", args.parallel, 0),
+        ("--cpus-per-cell", args.cpus_per_cell, 1),
+        ("--sft-steps", args.sft_steps, 0),
+        ("--sft-batch-size", args.sft_batch_size, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{flag}: must be >= {low}, got {value}")
+    if not args.cell_timeout > 0:
+        raise ValueError(f"--cell-timeout: must be > 0 seconds, got {args.cell_timeout}")
+
+
+def _cell_command(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """``(runner, command)``: ``recipes/rlvr_qwen.py``, or this recipe's ``--cell`` warm-up body."""
+    if not args.sft_steps:
+        return "recipe", [sys.executable, str(HERE / "rlvr_qwen.py")]
+    runner = f"sft(steps={args.sft_steps},lr={args.sft_lr},batch={args.sft_batch_size})"
+    command = [sys.executable, str(HERE / "ablate.py"), "--cell", "--sft-steps", str(args.sft_steps)]
+    return runner, [
+        *command,
+        "--sft-lr",
+        str(args.sft_lr),
+        "--sft-batch-size",
+        str(args.sft_batch_size),
+        "--",
+    ]
+
+
+def _plan(args: argparse.Namespace, fixed: list[str]) -> tuple[list[ab.Factor], list[ab.Cell], list[str]]:
+    """The factors, the validated cells and the cell command (``ValueError`` on bad input)."""
+    _check_args(args)
+    factors = [ab.parse_factor(g) for g in args.grid]
+    config_file, pairs, _ = parse_args(fixed)  # "--model tiny" -> "model=tiny"
+    fixed = [*([f"config={config_file}"] if config_file else []), *(f"{k}={v}" for k, v in pairs)]
+    runner, command = _cell_command(args)
+    cells = ab.expand_grid(factors, ab.parse_seeds(args.seeds), fixed, runner=runner)
+    ab.validate_cells(cells, base=recipe_defaults)  # before anything runs
+    return factors, cells, command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,56 +143,42 @@ def main(argv: list[str] | None = None) -> int:
         if args.cell:
             _run_cell(args, fixed)
             return 0
-        if not args.grid:
-            raise ValueError("--grid: give at least one factor, e.g. --grid algorithm.advantage=grpo,rloo")
-        for flag, value, low in (
-            ("--parallel", args.parallel, 0),
-            ("--cpus-per-cell", args.cpus_per_cell, 1),
-            ("--sft-steps", args.sft_steps, 0),
-            ("--sft-batch-size", args.sft_batch_size, 1),
-        ):
-            if value < low:
-                raise ValueError(f"{flag}: must be >= {low}, got {value}")
-        factors = [ab.parse_factor(g) for g in args.grid]
-        config_file, pairs, _ = parse_args(fixed)  # "--model tiny" -> "model=tiny"
-        fixed = [*([f"config={config_file}"] if config_file else []), *(f"{k}={v}" for k, v in pairs)]
-        seeds = ab.parse_seeds(args.seeds)
-        if args.sft_steps:
-            runner = f"sft(steps={args.sft_steps},lr={args.sft_lr},batch={args.sft_batch_size})"
-            command = [sys.executable, str(HERE / "ablate.py"), "--cell", "--sft-steps", str(args.sft_steps)]
-            command += ["--sft-lr", str(args.sft_lr), "--sft-batch-size", str(args.sft_batch_size), "--"]
-        else:
-            runner, command = "recipe", [sys.executable, str(HERE / "rlvr_qwen.py")]
-        cells = ab.expand_grid(factors, seeds, fixed, runner=runner)
-        ab.validate_cells(cells, base=recipe_defaults)  # before anything runs
+        factors, cells, command = _plan(args, fixed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     if args.dry_run:
         for c in cells:
-            done = "done" if ab.is_done(out, c) else "todo"
-            print(f"{done} {c.id}: {shlex.join([*command, *c.overrides()])}")
+            print(
+                f"{'done' if ab.is_done(out, c) else 'todo'} {c.id}: {shlex.join([*command, *c.overrides()])}"
+            )
         return 0
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     if not args.no_run:
         parallel = args.parallel or max(1, (os.cpu_count() or 1) // args.cpus_per_cell)
         results = ab.run_cells(
-            cells, out, command, parallel=parallel, use_ray=args.ray, cpus_per_cell=args.cpus_per_cell
+            cells,
+            out,
+            command,
+            parallel=parallel,
+            use_ray=args.ray,
+            cpus_per_cell=args.cpus_per_cell,
+            timeout_s=args.cell_timeout,
         )
         failed = [r for r in results if r.status == "failed"]
-    plot_metrics = [m for m in args.plot_metrics.split(",") if m]
-    stats = ab.summarize(cells, out, curve_metrics=plot_metrics)
-    if not stats:
-        print("error: no finished cell to summarise", file=sys.stderr)
-        return 1
-    ab.write_metrics(ab.collect(cells, out), out)
     title = args.title or f"Ablation: {', '.join(f.key for f in factors)}"
-    table = ab.write_markdown(stats, factors, out / "summary.md", title=title, command=invocation)
-    png = ab.plot_curves(stats, factors, out / "curves.png", metrics=plot_metrics)
-    print(table.read_text())
-    print(f"[ablate] {out / 'metrics.csv'}, {table}, {png}")
+    plot_metrics = [m for m in args.plot_metrics.split(",") if m]
+    try:
+        report = ab.write_report(
+            cells, factors, out, title=title, command=invocation, plot_metrics=plot_metrics
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report.summary.read_text())
+    print(f"[ablate] {out / 'metrics.csv'}, {report.summary}, {report.curves}")
     if failed:
         print(
             f"[ablate] {len(failed)} cell(s) failed: " + ", ".join(str(r.log) for r in failed),

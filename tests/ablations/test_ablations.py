@@ -1,4 +1,4 @@
-"""The ablation runner: grid expansion and ids, statistics, resumability, summary and plots.
+"""The ablations package: grid expansion and ids, statistics, resumability, summary and plots.
 
 Fast tests run the scheduler (`run_cells`) on a test-double cell command (`FAKE_CELL`, a
 few lines of Python that write a `metrics.jsonl` and can be told to crash), so that crash
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainers import ablation as ab
+import ablations as ab
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,6 +140,13 @@ def test_t_quantile_matches_tables(df, q):
     assert ab.t_quantile(0.975, df) == pytest.approx(q, abs=1e-4)
 
 
+def test_t_quantile_known_values_to_float_precision():
+    # t_{0.975, 4} from the closed form of the df = 4 quantile (see _t4_quantile).
+    assert ab.t_quantile(0.975, 4) == pytest.approx(2.7764451051977987, rel=1e-12)
+    assert _t4_quantile(0.975) == pytest.approx(2.7764451051977987, rel=1e-14)
+    assert ab.t_quantile(0.975, 2) == pytest.approx(0.95 / math.sqrt(2 * 0.975 * 0.025), rel=1e-12)
+
+
 def test_t_quantile_other_levels_and_errors():
     assert ab.t_quantile(0.95, 2) == pytest.approx(2.9200, abs=1e-4)
     assert ab.t_quantile(0.995, 5) == pytest.approx(4.0321, abs=1e-4)
@@ -147,24 +154,37 @@ def test_t_quantile_other_levels_and_errors():
     assert ab.t_quantile(0.5, 7) == 0.0
     # df = 1 is the Cauchy distribution: quantile tan(pi (p - 1/2)).
     assert ab.t_quantile(0.9, 1) == pytest.approx(math.tan(math.pi * 0.4), rel=1e-9)
-    for p in (0.0, 1.0, 1.5):
+    for p in (0.0, 1.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="p must be"):
             ab.t_quantile(p, 3)
-    with pytest.raises(ValueError, match="df must be"):
-        ab.t_quantile(0.9, 0)
+    for df in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="df must be"):
+            ab.t_quantile(0.9, df)
 
 
-@given(st.floats(0.001, 0.999), st.floats(0.5, 200.0))
-def test_t_quantile_inverts_the_cdf(p, df):
-    q = ab.t_quantile(p, df)
-    assert ab.student_t_cdf(q, df) == pytest.approx(p, abs=1e-9)
-    assert ab.t_quantile(1 - p, df) == pytest.approx(-q, rel=1e-7, abs=1e-9)
+def _t4_quantile(p: float) -> float:
+    """The closed-form p quantile of Student's t with 4 degrees of freedom (Shaw, 2006):
+    ``sign(p - 1/2) 2 sqrt(q - 1)``, ``q = cos(arccos(sqrt(a)) / 3) / sqrt(a)``, ``a = 4p(1 - p)``."""
+    a = 4 * p * (1 - p)
+    q = math.cos(math.acos(math.sqrt(a)) / 3) / math.sqrt(a)
+    return math.copysign(2 * math.sqrt(q - 1), p - 0.5)
+
+
+@given(st.floats(0.001, 0.999))
+def test_t_quantile_matches_closed_forms(p):
+    # df = 1 (Cauchy), 2 and 4 have closed-form quantiles, independent of scipy.
+    assert ab.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9, abs=1e-12)
+    assert ab.t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-9, abs=1e-12)
+    assert ab.t_quantile(p, 4) == pytest.approx(_t4_quantile(p), rel=1e-9, abs=1e-12)
+    assert ab.t_quantile(1 - p, 3) == pytest.approx(-ab.t_quantile(p, 3), rel=1e-9, abs=1e-12)
 
 
 def test_mean_ci_known_values():
     m, h, n = ab.mean_ci([0.5, 0.6, 0.7])
     s = 0.1  # sample standard deviation
     assert (m, n) == (pytest.approx(0.6), 3) and h == pytest.approx(4.302653 * s / math.sqrt(3), rel=1e-6)
+    m, h, n = ab.mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])  # t_{0.975, 4} = 2.7764451051977987, s = sqrt(2.5)
+    assert (m, n) == (3.0, 5) and h == pytest.approx(2.7764451051977987 * math.sqrt(2.5 / 5), rel=1e-12)
     m, h, n = ab.mean_ci([1.0, 3.0], confidence=0.9)  # t_{0.95, 1} = 6.3138, s = sqrt(2)
     assert m == 2.0 and h == pytest.approx(6.313752 * math.sqrt(2) / math.sqrt(2), rel=1e-6)
     assert ab.mean_ci([0.4, 0.4, 0.4])[1] == pytest.approx(0.0, abs=1e-12)
@@ -258,6 +278,18 @@ def test_run_cells_resumes_and_reruns_crashed_cells(fake, monkeypatch, tmp_path)
         ab.run_cells(cells, out, cmd, parallel=0)
 
 
+def test_run_cells_kills_a_cell_past_its_deadline(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    cells = ab.expand_grid([ab.parse_factor("train.lr=1e-5")], [0])
+    out = tmp_path / "out"
+    res = ab.run_cells(cells, out, [sys.executable, str(script)], timeout_s=1.0, log=lambda s: None)
+    assert res[0].status == "failed" and res[0].returncode == 124 and res[0].wall_s < 60
+    assert "deadline" in res[0].log.read_text() and not ab.is_done(out, cells[0])
+    with pytest.raises(ValueError, match="timeout_s"):
+        ab.run_cells(cells, out, [sys.executable, str(script)], timeout_s=0)
+
+
 def test_collect_summary_and_plot(fake):
     factors, cells, cmd, out = fake
     ab.run_cells(cells, out, cmd, parallel=3, log=lambda s: None)
@@ -306,6 +338,16 @@ def test_collect_summary_and_plot(fake):
     with pytest.raises(ValueError, match="factors"):
         ab.plot_curves(stats, [], out / "x.png")
 
+    rep = ab.write_report(cells, factors, out, title="T", command="cmd", plot_metrics=["eval/accuracy"])
+    assert rep.summary.read_text().startswith("# T\n\n```bash\ncmd") and len(rep.stats) == 12
+    assert rep.curves.read_bytes()[:4] == b"\x89PNG" and [p.name for p in rep.metrics] == [
+        p.name for p in paths
+    ]
+    empty = out / "empty"
+    with pytest.raises(ValueError, match="no finished cell"):
+        ab.write_report(cells, factors, empty)
+    assert not empty.exists()
+
 
 # ----------------------------------------------------------------------------- the command line
 
@@ -328,6 +370,7 @@ def _ablate():
         (["--grid", "train.lr=1e-5"], ["--model"], "missing value"),
         (["--grid", "train.lr=1e-5"], ["train.stepz=3"], r"train\.stepz: unknown field"),
         (["--grid", "train.lr=1e-5", "--cpus-per-cell", "0"], [], "cpus-per-cell"),
+        (["--grid", "train.lr=1e-5", "--cell-timeout", "0"], [], "cell-timeout"),
     ],
 )
 def test_cli_bad_input_fails_before_running(tmp_path, capsys, argv, fixed, match):
