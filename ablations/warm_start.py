@@ -13,7 +13,9 @@ import torch
 from trainers.config import Config
 from trainers.data import build_prompts
 from trainers.engines import TorchTrainEngine
-from trainers.sync_trainer import SyncTrainer, build_engines, supervised_warmup
+from trainers.engines.build import build_engines
+from trainers.learner import supervised_warmup
+from trainers.loops import SyncTrainer
 
 __all__ = ["warm_start_fit"]
 

@@ -4,7 +4,7 @@ The workload (``/work/shared/BENCHMARKS.md`` W3, after ROLL Flash, Lu et al., 20
 arXiv:2510.11345): text FrozenLake whose every ``step`` first sleeps a latency drawn from a
 Gaussian truncated at 0 (``--latency-mean``, ``--latency-std``; the papers use mean 10 s, std
 1-10 s, scaled down here) and fails with probability ``--fail-prob`` (``--fail-mode hang``: past
-the ``--deadline``; or ``raise``). One :class:`~trainers.agentic_trainer.AgenticTrainer` trains
+the ``--deadline``; or ``raise``). One :class:`~trainers.loops.AgenticTrainer` trains
 ``--groups x --group-size`` trajectories per step (StarPO + PPO) in three rollout modes:
 
 * ``lockstep``: every turn of the batch is generated together, then every environment steps;
@@ -46,7 +46,7 @@ MODES = ("lockstep", "async", "async+redundant")
 
 
 def build_config(args: argparse.Namespace):
-    from trainers.agentic_trainer import AgenticConfig
+    from trainers.config import AgenticConfig
 
     cfg = AgenticConfig()
     cfg.model.path = "tiny" if args.model == "tiny" else ("" if args.model == "default" else args.model)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
     import torch
 
-    from trainers.agentic_trainer import AgenticTrainer
+    from trainers.loops.agentic import AgenticTrainer
 
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     cfg = build_config(args)

@@ -123,10 +123,10 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             [m.strip() for m in args.recipe_modes.split(",") if m.strip()], args.recipe_args.split()
         )
 
-    from trainers.async_trainer import AsyncTrainer
     from trainers.config import load_config
+    from trainers.engines.build import make_rollout_engine, make_train_engine
+    from trainers.loops import AsyncTrainer, SyncTrainer
     from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
-    from trainers.sync_trainer import SyncTrainer, make_rollout_engine, make_train_engine
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -290,11 +290,11 @@ def recipe(modes: list[str], extra: list[str]) -> dict[str, dict[str, float]]:
 
 def learning(seeds: int, async_overrides: list[str]) -> dict[str, dict[str, float]]:
     """Held-out accuracy of the tiny-model task after the same trained samples: sync vs a=2."""
-    from trainers.async_trainer import AsyncTrainer
     from trainers.config import load_config
     from trainers.engines import HFRolloutEngine, TorchTrainEngine
+    from trainers.learner import supervised_warmup
+    from trainers.loops import AsyncTrainer, SyncTrainer
     from trainers.models import TINY_RL_OVERRIDES, char_tokenizer, tiny_qwen2
-    from trainers.sync_trainer import SyncTrainer, supervised_warmup
 
     rl = [
         "--model",

@@ -38,7 +38,7 @@ def run(mode: str, args: argparse.Namespace, model, tok) -> dict[str, float]:
     import torch
 
     from trainers.config import load_config
-    from trainers.sync_trainer import SyncTrainer
+    from trainers.loops import SyncTrainer
 
     over = [
         "--model",

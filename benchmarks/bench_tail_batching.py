@@ -67,7 +67,7 @@ def overrides(args: argparse.Namespace, mode: str) -> list[str]:
         f"rollout.n={args.n}",
         f"rollout.max_tokens={args.cap}",
         f"rollout.length_dist={args.length_dist}",
-        f"asynchronous.chunk_tokens={args.chunk_tokens}",
+        f"rollout.chunk_tokens={args.chunk_tokens}",
         f"train.micro_batch_size={args.micro_batch}",
         "train.sort_by_length=true",
         "rollout.dtype=auto",
@@ -92,7 +92,7 @@ def overrides(args: argparse.Namespace, mode: str) -> list[str]:
 def run_mode(mode: str, args: argparse.Namespace, model, tok) -> dict[str, object]:
     """Warm-up + timed steps of one mode: per-step metrics of the timed steps."""
     from trainers.config import load_config
-    from trainers.sync_trainer import SyncTrainer
+    from trainers.loops import SyncTrainer
 
     cfg = load_config(overrides(args, mode))
     tr = SyncTrainer(cfg, model=copy.deepcopy(model), tokenizer=tok)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     torch.set_num_threads(args.threads)
 
     from trainers.config import load_config
-    from trainers.sync_trainer import build_model
+    from trainers.engines.build import build_model
 
     model, tok = build_model(load_config(overrides(args, "sync")))
     results = {mode: run_mode(mode, args, model, tok) for mode in MODES}

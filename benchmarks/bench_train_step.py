@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from rollkit.losses import aggregate
     from trainers.data import addition_task, encode_prompt
     from trainers.engines import TorchTrainEngine, pack
+    from trainers.engines.build import fast_bf16
     from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
-    from trainers.sync_trainer import fast_bf16
 
     if args.model == "tiny":
         tok = char_tokenizer()

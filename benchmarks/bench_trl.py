@@ -66,7 +66,7 @@ def held_out_accuracy(model, tok, prompts, chat_template: str, max_tokens: int) 
 
 
 def run_rollkit(cfg) -> dict:
-    from trainers.sync_trainer import SyncTrainer
+    from trainers.loops import SyncTrainer
 
     trainer = SyncTrainer(cfg)
     out = trainer.fit()
@@ -88,7 +88,7 @@ def run_trl(cfg, train_prompts, eval_prompts) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from trainers.data import exact_match_reward, has_chat_template
-    from trainers.sync_trainer import build_engines
+    from trainers.engines.build import build_engines
 
     _, train_engine, tok = build_engines(cfg)  # the same initial weights as rollkit's run
     model = train_engine.model
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
 
     from trainers.config import load_config
-    from trainers.sync_trainer import build_prompts
+    from trainers.data import build_prompts
 
     recipe = _recipe()
     overrides = [f"model.path={args.model}", f"train.steps={args.steps}", f"data.eval_size={args.eval_size}"]

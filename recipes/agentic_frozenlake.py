@@ -36,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from trainers.agentic_trainer import AgenticConfig
-from trainers.config import ALIASES, load_config, parse_args
+import torch
+
+from trainers.config import ALIASES, AgenticConfig, load_config, parse_args
+from trainers.loops import AgenticTrainer
 
 
 def recipe_defaults(tiny: bool = False) -> AgenticConfig:
@@ -89,10 +91,6 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(argv, base=recipe_defaults(tiny))
     except ValueError as e:  # a bad key or value: say which, no traceback
         raise SystemExit(f"error: {e}") from None
-    import torch
-
-    from trainers.agentic_trainer import AgenticTrainer
-
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     t0 = time.perf_counter()
     with AgenticTrainer(cfg) as trainer:

@@ -29,11 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch
+
 from trainers.config import Config, load_config
+from trainers.loops import AsyncTrainer, SyncTrainer
 
 
 def recipe_defaults() -> Config:
-    """The recipe's defaults (the same job as the TRL / torchrl comparison in the issue)."""
+    """The recipe's defaults (the job of the side-by-side TRL benchmark, benchmarks/bench_trl.py)."""
     cfg = Config()
     cfg.rollout.prompts_per_step = 4
     cfg.rollout.n = 8
@@ -58,11 +61,6 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(sys.argv[1:] if argv is None else argv, base=recipe_defaults())
     except ValueError as e:  # a bad key or value: say which, no traceback
         raise SystemExit(f"error: {e}") from None
-    import torch
-
-    from trainers.async_trainer import AsyncTrainer
-    from trainers.sync_trainer import SyncTrainer
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     t0 = time.perf_counter()
     trainer = (AsyncTrainer if cfg.asynchronous.enabled else SyncTrainer)(cfg)

@@ -77,6 +77,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rollkit.registry import POLICY_LOSSES
 from rollkit.validation import check_int, check_scalar, check_tensor
 
 __all__ = ["Batch", "SampleBuffer", "off_policy_loss_inputs", "staleness_metrics"]
@@ -638,8 +639,6 @@ def off_policy_loss_inputs(
     >>> POLICY_LOSSES.get("decoupled-ppo")(**inp).loss.shape
     torch.Size([1, 2])
     """
-    from rollkit.registry import POLICY_LOSSES
-
     if not isinstance(loss, str):
         raise ValueError(f"loss: expected a policy loss name, got {type(loss).__name__}")
     entry = POLICY_LOSSES.entry(loss)

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rollkit import keys
 from rollkit.validation import check_choice, check_group_ids, check_ndim
 
 __all__ = [
@@ -356,8 +357,6 @@ class TrajectoryBatch:
         :mod:`rollkit.keys`); imports tensordict on first use."""
         from tensordict import TensorDict
 
-        from rollkit import keys
-
         return TensorDict(
             {
                 "input_ids": self.input_ids,
@@ -377,8 +376,6 @@ class TrajectoryBatch:
         ``"gigpo"`` registry entry (``step_rewards``, ``traj_ids``, ``step_index``,
         ``group_ids``, ``state_ids``, ``episode_returns``)."""
         from tensordict import TensorDict
-
-        from rollkit import keys
 
         return TensorDict(
             {

@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from rollkit.keys import SPECS
+
 # A context variable, not a module global: ``value_checks(False)`` in one thread or asyncio
 # task leaves the checks of the others on.
 _VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("rollkit_value_checks", default=True)
@@ -279,8 +281,6 @@ def check_batch(batch: object, keys: Sequence[str]) -> None:
     ``[B]`` keys must share the batch size and ``[B, T]`` keys must share ``T``; masks must be
     bool; integer keys must be integers.
     """
-    from rollkit.keys import SPECS
-
     sizes: dict[str, tuple[int, str]] = {}
     for key in keys:
         try:

@@ -23,6 +23,7 @@ field. Short aliases: ``--model PATH`` is ``model.path``, ``--data FILE`` is
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -30,8 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from rollkit.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
 __all__ = [
     "ALIASES",
+    "AgenticConfig",
+    "AgenticEvalConfig",
+    "AgenticRolloutConfig",
+    "EnvConfig",
+    "WarmupConfig",
+    "validate",
+    "validate_agentic",
+    "validate_async",
     "AlgorithmConfig",
     "AsyncConfig",
     "CheckpointConfig",
@@ -100,6 +111,8 @@ class RolloutConfig:
     # generated with ignore_eos ("": every request may use max_tokens and stops at EOS)
     length_dist: str = ""
     prompts_per_request: int = 1  # Ray: prompts per request sent to the least-loaded rollout actor
+    # request-level hf engine (async, tail batching, length_dist): tokens a request advances per step
+    chunk_tokens: int = 16
     gpu_memory_utilization: float = 0.5  # vLLM on GPUs
     max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
 
@@ -187,7 +200,6 @@ class AsyncConfig:
     in_flight: str = "keep"  # at a weight update: "keep" partial samples and resubmit them, or "abort"
     replicate: bool = True  # prompt replication: one request per sample (else one request per prompt)
     num_engines: int = 1  # rollout engines the queue scheduler dispatches to (least loaded first)
-    chunk_tokens: int = 16  # hf engine: tokens a request advances per scheduler step
     # recompute the batch's log-probs under the trainer's weights before the update (the
     # proximal policy); the rollout's become behavior_logprobs (decoupled PPO / TIS / CISPO / TOPR)
     recompute_logprobs: bool = True
@@ -298,6 +310,100 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- the agentic trainer
+
+
+@dataclass
+class EnvConfig:
+    """The environment: a registered name (``frozenlake``, ``sokoban``, ``calculator``,
+    ``gem:<id>``) or ``"module:attr"``, its keyword arguments, and the episode limits."""
+
+    name: str = "frozenlake"
+    kwargs: dict = field(default_factory=lambda: {"size": 3, "hole_prob": 0.0, "max_turns": 6})
+    max_turns: int = 6
+    max_context: int = 1024  # tokens per episode, prompt included
+    chat_template: str = "auto"  # "auto" (if the tokenizer has one), "on", "off"
+    system_prompt: str = ""
+    deadline_s: float = 30.0  # per reset / step; past it the env counts as hung and is replaced
+    start_method: str = "forkserver"
+
+
+@dataclass
+class AgenticRolloutConfig:
+    """Sampling and scheduling. A step trains ``groups_per_step x group_size`` trajectories;
+    ``async`` launches ``num_env_groups`` task groups (``0``: ``groups_per_step``) of
+    ``group_size + redundancy`` episodes and keeps the first finishers."""
+
+    engine: str = "hf"
+    mode: str = "async"  # "lockstep" or "async"
+    groups_per_step: int = 4
+    group_size: int = 4
+    num_env_groups: int = 0
+    redundancy: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16  # per turn
+    max_batch_size: int | None = None
+    # rollout weights' dtype: "" = model.dtype; "auto" = bfloat16 where its matmuls are fast
+    # (CUDA with bf16, CPUs with AMX), else model.dtype; or "float32" / "bfloat16" / "float16"
+    dtype: str = ""
+    max_staleness: int = 0  # 0: synchronous; >= 1: overlap collection with training, per-turn bound
+    max_attempts: int = 0  # episodes launched per group before it is abandoned (0: 3 x launched)
+
+
+@dataclass
+class WarmupConfig:
+    """Optional supervised warm-up on well-formed random actions (teaches a tiny random model
+    the action format, so that RL has successes to learn from). ``steps = 0``: off."""
+
+    steps: int = 0
+    batch_size: int = 16
+    lr: float = 3e-3
+    bare: bool = False  # target the action without \\boxed{} (the built-in games accept a bare word)
+
+
+@dataclass
+class AgenticEvalConfig:
+    """Greedy success rate on ``episodes`` fixed tasks (seeds ``seed .. seed + episodes - 1``,
+    disjoint from the training seeds), before training, every ``every`` steps and after."""
+
+    episodes: int = 32
+    every: int = 0
+    before: bool = True
+    max_tokens: int = 16
+    seed: int = 1_000_000_000
+
+
+def _agentic_algorithm() -> AlgorithmConfig:
+    a = AlgorithmConfig()
+    a.advantage = "starpo"
+    return a
+
+
+def _agentic_logging() -> LoggingConfig:
+    log = LoggingConfig()
+    log.dir = "runs/agentic"
+    return log
+
+
+@dataclass
+class AgenticConfig:
+    """The agentic trainer's configuration (:class:`trainers.loops.AgenticTrainer`); load it
+    with ``load_config(argv, base=AgenticConfig())``. It shares the ``model``, ``train``,
+    ``algorithm`` and ``logging`` sections with :class:`Config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: AgenticRolloutConfig = field(default_factory=AgenticRolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=_agentic_algorithm)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    eval: AgenticEvalConfig = field(default_factory=AgenticEvalConfig)
+    logging: LoggingConfig = field(default_factory=_agentic_logging)
     seed: int = 0
 
 
@@ -543,3 +649,161 @@ def help_text(cfg: Config | None = None) -> str:
     for name, tp, default, _ in rows:
         lines.append(f"{name.ljust(w)}  {tp.ljust(t)}  {default}")
     return os.linesep.join(lines)
+
+
+# --------------------------------------------------------------------------- validation
+
+ROLLOUT_ENGINES = ("hf", "vllm")
+TRAIN_ENGINES = ("torch", "deepspeed")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+AGENTIC_MODES = ("lockstep", "async")
+
+
+def _check_names(cfg: Any, rows: list[tuple[str, Any, tuple]]) -> None:
+    for name, value, known in rows:
+        if value not in known:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, known))}, got {value!r}")
+
+
+def _check_registered(rows: list[tuple[str, Any, Any]]) -> None:
+    for name, reg, value in rows:
+        if value not in reg:
+            raise ValueError(f"{name}: unknown {reg.kind} {value!r}; known: {', '.join(sorted(reg.names()))}")
+
+
+def _check_common(cfg: Any) -> None:
+    """Checks of the sections both trainers share (model, train, algorithm, dtypes)."""
+    _check_names(
+        cfg,
+        [
+            ("model.dtype", cfg.model.dtype, DTYPE_NAMES),
+            ("rollout.dtype", cfg.rollout.dtype, ("", "auto", *DTYPE_NAMES)),
+            ("train.autocast", cfg.train.autocast, ("off", "auto", "bfloat16", "float16")),
+            ("train.engine", cfg.train.engine, TRAIN_ENGINES),
+            ("train.lr_schedule", cfg.train.lr_schedule, ("constant", "cosine")),
+        ],
+    )
+    if cfg.train.autocast in ("bfloat16", "float16") and cfg.train.engine != "torch":
+        raise ValueError(
+            f"train.autocast={cfg.train.autocast} applies to the torch engine; with "
+            f"train.engine={cfg.train.engine} set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"
+        )
+    a = cfg.algorithm
+    _check_registered(
+        [
+            ("algorithm.advantage", ADVANTAGE_ESTIMATORS, a.advantage),
+            ("algorithm.policy_loss", POLICY_LOSSES, a.policy_loss),
+        ]
+    )
+
+
+def validate(cfg: Config) -> None:
+    """Check ``cfg`` before anything is built; a bad value raises ``ValueError`` naming its field."""
+    c = cfg
+    for name, v in (
+        ("rollout.prompts_per_step", c.rollout.prompts_per_step),
+        ("rollout.n", c.rollout.n),
+        ("rollout.prompts_per_request", c.rollout.prompts_per_request),
+        ("train.micro_batch_size", c.train.micro_batch_size),
+        ("train.ppo_epochs", c.train.ppo_epochs),
+        ("filter.max_rounds", c.filter.max_rounds),
+    ):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    _check_names(
+        c,
+        [
+            ("algorithm.kl.mode", c.algorithm.kl.mode, ("loss", "reward")),
+            ("rollout.engine", c.rollout.engine, ROLLOUT_ENGINES),
+            ("reward.backend", c.reward.backend, ("inline", "process", "ray")),
+            ("placement.mode", c.placement.mode, ("colocated", "disaggregated")),
+            ("placement.reference", c.placement.reference, ("train", "separate")),
+        ],
+    )
+    _check_common(c)
+    tb = c.tail_batching
+    if tb.enabled:
+        if c.ray.enabled:
+            raise ValueError(
+                "tail_batching.enabled: tail batching drives a request-level rollout engine "
+                "(rollout.engine=hf or vllm in this process); ray.enabled=true uses a Ray rollout "
+                "group, which has none: set ray.enabled=false or tail_batching.enabled=false"
+            )
+        for name, eta in (
+            ("tail_batching.eta_prompts", tb.eta_prompts),
+            ("tail_batching.eta_responses", tb.eta_responses),
+        ):
+            if not (math.isfinite(eta) and eta >= 1):
+                raise ValueError(f"{name} must be a finite number >= 1 (1: no over-provisioning), got {eta}")
+    if c.asynchronous.enabled:
+        validate_async(c)
+
+
+def validate_async(cfg: Config) -> None:
+    """The checks of the ``asynchronous`` section (:class:`trainers.loops.AsyncTrainer`)."""
+    ac = cfg.asynchronous
+    if cfg.ray.enabled and cfg.placement.mode != "disaggregated":
+        raise ValueError(
+            f"placement.mode={cfg.placement.mode!r}: the asynchronous trainer generates while it "
+            "trains, so on Ray the rollout and train actors need resources of their own: set "
+            "placement.mode=disaggregated"
+        )
+    if cfg.ray.enabled and ac.num_engines not in (1, cfg.placement.rollout_workers):
+        raise ValueError(
+            f"asynchronous.num_engines={ac.num_engines}: on Ray the engines are the "
+            f"placement.rollout_workers={cfg.placement.rollout_workers} rollout actors; set that instead"
+        )
+    if ac.in_flight not in ("keep", "abort"):
+        raise ValueError(f"asynchronous.in_flight must be 'keep' or 'abort', got {ac.in_flight!r}")
+    if ac.extra_prompts < 0:
+        raise ValueError(f"asynchronous.extra_prompts must be >= 0, got {ac.extra_prompts}")
+    if ac.num_engines < 1:
+        raise ValueError(f"asynchronous.num_engines must be >= 1, got {ac.num_engines}")
+    if ac.ratio < 0:
+        raise ValueError(f"asynchronous.ratio must be >= 0, got {ac.ratio}")
+
+
+def validate_agentic(cfg: AgenticConfig) -> None:
+    """Check an :class:`AgenticConfig`; a bad value raises ``ValueError`` naming its field."""
+    r, a = cfg.rollout, cfg.algorithm
+    for name, v in (
+        ("rollout.groups_per_step", r.groups_per_step),
+        ("rollout.group_size", r.group_size),
+        ("rollout.max_tokens", r.max_tokens),
+        ("env.max_turns", cfg.env.max_turns),
+        ("env.max_context", cfg.env.max_context),
+        ("train.micro_batch_size", cfg.train.micro_batch_size),
+        ("train.ppo_epochs", cfg.train.ppo_epochs),
+        ("eval.episodes", cfg.eval.episodes),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    for name, v in (
+        ("rollout.redundancy", r.redundancy),
+        ("rollout.max_staleness", r.max_staleness),
+        ("rollout.num_env_groups", r.num_env_groups),
+    ):
+        if v < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+    if r.mode not in AGENTIC_MODES:
+        raise ValueError(f"rollout.mode: expected one of {AGENTIC_MODES}, got {r.mode!r}")
+    if r.num_env_groups and r.num_env_groups < r.groups_per_step:
+        raise ValueError(
+            f"rollout.num_env_groups: {r.num_env_groups} < rollout.groups_per_step {r.groups_per_step}"
+        )
+    if r.mode == "lockstep" and (r.redundancy or r.num_env_groups > r.groups_per_step):
+        raise ValueError(
+            "rollout.redundancy / num_env_groups: redundant environments need rollout.mode=async"
+        )
+    if r.temperature <= 0:
+        raise ValueError(f"rollout.temperature: training needs sampling (> 0), got {r.temperature}")
+    if cfg.env.chat_template not in ("auto", "on", "off"):
+        raise ValueError(f"env.chat_template: expected auto, on or off, got {cfg.env.chat_template!r}")
+    if a.kl.coef:
+        raise ValueError("algorithm.kl.coef: the agentic trainer has no reference policy; set it to 0")
+    if r.engine != "hf":
+        raise ValueError(
+            f"rollout.engine={r.engine!r}: the agentic trainer builds the embedded hf engine; pass other "
+            "engines to AgenticTrainer(rollout_engine=, train_engine=)"
+        )
+    _check_common(cfg)

@@ -48,6 +48,10 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rollkit import keys as K
+from rollkit.registry import POLICY_LOSSES
+from rollkit.td import resolve, td_loss
+
 __all__ = ["RollkitLossModule"]  # noqa: F822 (built lazily by the module __getattr__)
 
 #: Batch keys a :class:`RollkitLossModule` reads, remappable with ``set_keys`` (each defaults to
@@ -88,10 +92,6 @@ def _build_class() -> type:
     from tensordict.nn import TensorDictModuleBase
     from tensordict.utils import NestedKey
     from torch import Tensor
-
-    from rollkit import keys as K
-    from rollkit.registry import POLICY_LOSSES
-    from rollkit.td import resolve, td_loss
 
     LossModule = _require_torchrl()
 

@@ -1,4 +1,4 @@
-"""trainers.agentic_trainer: the multi-turn RL pipeline end to end on a real tiny Qwen2 (transformers
+"""trainers.loops.agentic: the multi-turn RL pipeline end to end on a real tiny Qwen2 (transformers
 rollout engine, PyTorch train engine, FrozenLake in EnvWorkers worker processes), in each rollout
 mode, with StarPO and GiGPO; configuration checks; the W3 benchmark and the recipe at tiny sizes."""
 
@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 from rollkit.advantages import gigpo_advantages, starpo_advantages
 from rollkit.ops import broadcast_to_tokens
 from rollkit.registry import ADVANTAGE_ESTIMATORS
-from trainers.agentic_trainer import AgenticConfig, AgenticTrainer
-from trainers.config import load_config
+from trainers.config import AgenticConfig, load_config
+from trainers.loops.agentic import AgenticTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ def test_config_loads_overrides_and_rejects_bad_values():
 def test_engines_take_rollout_dtype_and_train_autocast():
     """rollout.dtype and train.autocast reach the embedded engines (as in the RLVR trainer);
     a bad value names its field."""
-    from trainers.agentic_trainer import build_agentic_engines
+    from trainers.loops.agentic import build_agentic_engines
 
     cfg = load_config([*TINY, "rollout.dtype=bfloat16", "train.autocast=bfloat16"], base=AgenticConfig())
     rollout, train, _ = build_agentic_engines(cfg)

@@ -154,7 +154,7 @@ def test_help_lists_ray_fields(capsys):
 def test_rollout_dtype_and_autocast_resolution():
     import torch
 
-    from trainers.sync_trainer import fast_bf16, rollout_dtype, train_autocast
+    from trainers.engines.build import fast_bf16, rollout_dtype, train_autocast
 
     cfg = load_config([])
     assert rollout_dtype(cfg, "cpu") == torch.float32 and train_autocast(cfg, "cpu") is None

@@ -37,12 +37,12 @@ pytest.importorskip("transformers")
 
 import torch
 
-from trainers.agentic_trainer import AgenticConfig, AgenticTrainer
-from trainers.async_trainer import AsyncTrainer
-from trainers.config import load_config
+from trainers.config import AgenticConfig, load_config
+from trainers.data import build_prompts
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
+from trainers.loops import AsyncTrainer, SyncTrainer
+from trainers.loops.agentic import AgenticTrainer
 from trainers.models import char_tokenizer, tiny_qwen2
-from trainers.sync_trainer import SyncTrainer, build_prompts
 
 FILE = Path(__file__).with_name("fingerprints.json")
 RECORD = os.environ.get("ROLLKIT_RECORD_FINGERPRINTS") == "1"
@@ -76,9 +76,7 @@ def weights_sha(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    return [
-        {k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/"))} for r in rows
-    ]
+    return [{k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/"))} for r in rows]
 
 
 def _engines(cfg, seed: int = 0):
@@ -175,7 +173,7 @@ REQUESTS = [
     "rollout.n=3",
     "rollout.max_tokens=24",
     "rollout.length_dist=lognormal:4:1.2",
-    "asynchronous.chunk_tokens=3",
+    "rollout.chunk_tokens=3",
     "train.micro_batch_size=4",
     "train.steps=3",
     "eval.before=false",
@@ -280,7 +278,10 @@ def agentic_lockstep(tmp_path):
 def agentic_gigpo_lockstep(tmp_path):
     """GiGPO (step-level advantages) with 2 PPO epochs and mini-batches."""
     out, sha = _agentic(
-        tmp_path, "rollout.mode=lockstep", "algorithm.advantage=gigpo", "train.ppo_epochs=2",
+        tmp_path,
+        "rollout.mode=lockstep",
+        "algorithm.advantage=gigpo",
+        "train.ppo_epochs=2",
         "train.mini_batch_size=2",
     )
     return {"weights": sha, "history": comparable(out["history"])}

@@ -28,9 +28,10 @@ from _tiny_rl import RL_OVERRIDES
 
 from trainers.config import load_config
 from trainers.engines import SamplingParams, TorchTrainEngine, pack_generations
+from trainers.learner import LocalLearner, UpdateSpec, supervised_warmup
+from trainers.loops import SyncTrainer
 from trainers.models import char_tokenizer, tiny_qwen2
 from trainers.ray import plan_bundles
-from trainers.sync_trainer import LocalLearner, SyncTrainer, UpdateSpec, supervised_warmup
 
 BASE = [
     "--model",
@@ -70,7 +71,7 @@ def tok():
 
 def _warm(tok, heads, kv_heads, steps):
     """The tiny model after ``steps`` supervised steps on the train split (in this process)."""
-    from trainers.sync_trainer import build_prompts
+    from trainers.data import build_prompts
 
     torch.set_num_threads(1)
     model = tiny_qwen2(tok, seed=0, heads=heads, kv_heads=kv_heads)
@@ -138,11 +139,13 @@ def test_disaggregated_across_nodes_and_two_ranks_equal_one(cluster, tok, warm_m
         train_nodes = tr.train.node_ids()
         assert tr.rollout.node_ids() == [head]
         assert len(set(train_nodes)) == 1 and train_nodes[0] != head
-        assert tr.reference.node_id() == train_nodes[0]
+        assert tr.roles.reference.node_id() == train_nodes[0]
 
         # 2 ranks vs 1 rank on the same batch (odd sizes: 7 rows, mini-batches 6 + 1, micro 2).
         w0 = dict(tr.train.weights())
-        gens = tr.rollout.generate([tr.encode(p) for p in tr.train_prompts[:7]], SamplingParams(n=1, seed=3))
+        gens = tr.rollout.generate(
+            [tr.codec.encode(p) for p in tr.train_prompts[:7]], SamplingParams(n=1, seed=3)
+        )
         batch = pack_generations(gens, tok.pad_token_id)
         adv = torch.linspace(-1, 1, 7)[:, None] * batch.response_mask
         m2 = tr.train.update(batch, adv, None, seed=5)
@@ -214,7 +217,7 @@ def test_async_on_ray_two_rollout_actors_learns(cluster, tok, warm_model, tmp_pa
     recomputes the proximal log-probs). Ratio 1 with decoupled PPO: samples are at most one
     version old, both actors get requests, they end with the trainer's weights, held-out
     accuracy rises."""
-    from trainers.async_trainer import AsyncTrainer
+    from trainers.loops import AsyncTrainer
 
     cfg = load_config(
         [*BASE, *RL, f"logging.dir={tmp_path}", "placement.mode=disaggregated", "placement.rollout_workers=2",
@@ -252,7 +255,7 @@ def test_async_on_ray_vllm_actor(cluster, tok, warm_model_32, tmp_path):
     add_request / step / abort in the actor), W1-like lengths so requests are stopped and
     continued at updates; every actor update lands (skipped without vLLM)."""
     pytest.importorskip("vllm")
-    from trainers.async_trainer import AsyncTrainer
+    from trainers.loops import AsyncTrainer
 
     cfg = load_config(
         [*BASE, *RL, f"logging.dir={tmp_path}", "--rollout", "vllm", "placement.mode=disaggregated",

@@ -19,21 +19,22 @@ from _tiny_rl import RL_OVERRIDES
 
 from trainers.config import load_config
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
-from trainers.lengths import LengthSampler
+from trainers.learner import supervised_warmup
+from trainers.loops import SyncTrainer
+from trainers.loops.lengths import LengthSampler
 from trainers.models import char_tokenizer, tiny_qwen2
-from trainers.sync_trainer import SyncTrainer, supervised_warmup
 from trainers.tracking import read_metrics
 
 BASE = ["--model", "tiny", "data.digits=1", "data.eval_size=30", "eval.before=false", "eval.every=0"]
 
 
-def make(tmp_path, *overrides, model=None, name="run"):
+def make(tmp_path, *overrides, model=None, name="run", **kw):
     cfg = load_config([*BASE, f"logging.dir={tmp_path / name}", *overrides])
     tok = char_tokenizer()
     model = model if model is not None else tiny_qwen2(tok, seed=0)
     rollout = HFRolloutEngine(copy.deepcopy(model), tok)
     train = TorchTrainEngine(model, lr=cfg.train.lr, grad_clip=cfg.train.grad_clip)
-    return SyncTrainer(cfg, rollout=rollout, train=train, tokenizer=tok)
+    return SyncTrainer(cfg, rollout=rollout, train=train, tokenizer=tok, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +78,6 @@ def test_step_metrics_and_weight_sync(tmp_path):
 def test_dynamic_sampling_refills_until_full(tmp_path):
     # Random tiny model: almost every group is all-wrong, so groups are dropped and refilled
     # until the cap; the reward function below makes half the prompts' groups vary.
-    tr = make(
-        tmp_path,
-        "filter.zero_variance=true",
-        "filter.max_rounds=4",
-        "rollout.prompts_per_step=4",
-        "rollout.n=4",
-    )
     calls = []
 
     def reward(text, answer):
@@ -91,14 +85,26 @@ def test_dynamic_sampling_refills_until_full(tmp_path):
         # Variance only for prompts whose answer is odd, and only within the group.
         return float(int(answer) % 2 == 1 and len(calls) % 2 == 0)
 
-    tr.reward_fn = reward
+    tr = make(
+        tmp_path,
+        "filter.zero_variance=true",
+        "filter.max_rounds=4",
+        "rollout.prompts_per_step=4",
+        "rollout.n=4",
+        reward_fn=reward,
+    )
     m = tr.step()
     assert m["rollout/rounds"] > 1  # refilled
     assert m["rollout/kept_groups"] == 4  # the batch was filled with groups that vary
     assert len(calls) > 16  # more than one round of 4 prompts x 4 samples was scored
     # With a reward that never varies, the cap stops the loop and no update happens.
-    tr2 = make(tmp_path, "filter.zero_variance=true", "filter.max_rounds=3", name="r2")
-    tr2.reward_fn = lambda text, answer: 0.0
+    tr2 = make(
+        tmp_path,
+        "filter.zero_variance=true",
+        "filter.max_rounds=3",
+        name="r2",
+        reward_fn=lambda text, answer: 0.0,
+    )
     m2 = tr2.step()
     assert m2["rollout/rounds"] == 3 and m2["rollout/kept_groups"] == 0 and "optim/grad_norm" not in m2
     assert tr2.rollout.policy_version == 0
@@ -188,7 +194,6 @@ def _old_update(train, batch, adv, ref_lp, cfg, seed):
 
     from rollkit.losses import aggregate, global_normalizers
     from rollkit.registry import POLICY_LOSSES, REGULARIZERS
-    from trainers.sync_trainer import _call
 
     a, mask = cfg.algorithm, batch.response_mask
     B, mbs = mask.shape[0], cfg.train.micro_batch_size
@@ -217,7 +222,7 @@ def _old_update(train, batch, adv, ref_lp, cfg, seed):
                     "advantages": adv[rows],
                     "response_mask": mb.response_mask,
                 }
-                out = _call(POLICY_LOSSES.entry(a.policy_loss), avail, a.policy_loss_kwargs)
+                out = POLICY_LOSSES.entry(a.policy_loss).call(avail, **a.policy_loss_kwargs)
                 loss = aggregate(out.loss, mb.response_mask, a.aggregation, **norms)
                 if a.entropy_coef:
                     e = REGULARIZERS.get("entropy")(ent, mb.response_mask, coef=a.entropy_coef)
@@ -245,7 +250,7 @@ def test_ppo_update_is_the_old_update_exactly(tmp_path):
     2 PPO epochs, shuffled mini-batches of 5 (a ragged last one), micro-batches of 2,
     entropy bonus and a KL loss term."""
     from trainers.engines import SamplingParams, pack_generations
-    from trainers.sync_trainer import UpdateSpec, ppo_update
+    from trainers.learner import UpdateSpec, ppo_update
 
     cfg = load_config(
         [
@@ -328,7 +333,7 @@ def test_sort_by_length_gives_the_same_update():
     import dataclasses
 
     from trainers.engines import SamplingParams, pack_generations
-    from trainers.sync_trainer import UpdateSpec, ppo_update
+    from trainers.learner import UpdateSpec, ppo_update
 
     tok = char_tokenizer()
     model = tiny_qwen2(tok, seed=0)

@@ -17,9 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 from trainers.config import load_config
+from trainers.data import build_prompts
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
+from trainers.loops import SyncTrainer
 from trainers.models import char_tokenizer, tiny_qwen2
-from trainers.sync_trainer import SyncTrainer, build_prompts
 
 BASE = ["--model", "tiny", "data.digits=1", "data.eval_size=30", "eval.before=false", "eval.every=0"]
 TAIL = [
@@ -28,14 +29,14 @@ TAIL = [
     "rollout.n=2",
     "rollout.max_tokens=32",
     "rollout.length_dist=lognormal:4:1.5",  # W1 scaled down: median 4 tokens, cap 32
-    "asynchronous.chunk_tokens=2",  # the HF request engine advances 2 tokens per step
+    "rollout.chunk_tokens=2",  # the HF request engine advances 2 tokens per step
     "train.micro_batch_size=4",
     "train.lr=1e-3",
 ]
 NUM_PROMPTS = 6  # a small train set: an epoch is 2 short rounds + 1 long round
 
 
-def make(tmp_path, *overrides, name="run", num_prompts=NUM_PROMPTS):
+def make(tmp_path, *overrides, name="run", num_prompts=NUM_PROMPTS, **kw):
     cfg = load_config([*BASE, f"logging.dir={tmp_path / name}", *overrides])
     tok = char_tokenizer()
     model = tiny_qwen2(tok, seed=0)
@@ -47,6 +48,7 @@ def make(tmp_path, *overrides, name="run", num_prompts=NUM_PROMPTS):
         tokenizer=tok,
         train_prompts=train_prompts[:num_prompts] if num_prompts else train_prompts,
         eval_prompts=eval_prompts,
+        **kw,
     )
 
 
@@ -59,7 +61,7 @@ def test_every_prompt_trained_once_and_rounds_never_mix(tmp_path):
     tr = make(tmp_path, *TAIL)
     trained, rounds = [], []
     for _ in range(6):  # two epochs of 6 prompts
-        queued_before = tr.tail.queue
+        queued_before = tr.tail.policy.queue
         m = tr.step()
         b = tr.last_tail_batch
         rounds.append(b.round)
@@ -76,12 +78,12 @@ def test_every_prompt_trained_once_and_rounds_never_mix(tmp_path):
             assert m["tail/launched_responses"] == 9 and m["tail/deferred_prompts"] == 1
         # launched = aborted + discarded (finished, not kept) + the P0 x R0 kept
         assert m["tail/launched_responses"] == m["tail/aborted_responses"] + m["tail/discarded_responses"] + 4
-        assert m["tail/queue_length"] == len(tr.tail.queue)
+        assert m["tail/queue_length"] == len(tr.tail.policy.queue)
         assert 1 <= m["response/length_mean"] <= 32 and "optim/grad_norm" in m and "reward/mean" in m
     assert rounds == ["short", "short", "long"] * 2
     # Every prompt of each epoch (ids epoch * 6 + index) trained exactly once, none lost.
     assert Counter(trained) == Counter(range(12))
-    c = tr.tail.counts
+    c = tr.tail.policy.counts
     assert c["drawn"] == c["trained"] == 12 and c["queued"] == c["dropped"] == 0
     assert c["aborted_responses"] > 0 and c["aborted_responses"] == m["tail/total_aborted_responses"]
     assert tr.rollout.policy_version == 6  # the weights were pushed after every step
@@ -94,12 +96,12 @@ def test_checkpoint_resume_continues_identically(tmp_path):
     first = make(tmp_path, *TAIL, name="first")
     for m in want[:2]:
         assert comparable(first.step()) == m
-    assert len(first.tail.queue) == 2  # the next step is a long round over the queue
+    assert len(first.tail.policy.queue) == 2  # the next step is a long round over the queue
     path = first.save_checkpoint(tmp_path / "ckpt")
 
     resumed = make(tmp_path, *TAIL, name="resumed")
     resumed.load_checkpoint(path)
-    assert resumed.tail.queue == first.tail.queue and resumed.global_step == 2
+    assert resumed.tail.policy.queue == first.tail.policy.queue and resumed.global_step == 2
     assert resumed.tail.state_dict() == first.tail.state_dict()
     got = [comparable(resumed.step()) for _ in range(3)]
     assert got == want[2:]
@@ -133,12 +135,18 @@ def test_eta_one_never_aborts(tmp_path):
 def test_dynamic_sampling_drops_instead_of_queueing(tmp_path):
     """filter.zero_variance maps to the policy's dynamic_sampling: with a reward that never
     varies, a deferred prompt with two finished responses is dropped; none is lost."""
-    tr = make(tmp_path, *TAIL, "rollout.n=3", "train.micro_batch_size=6", "filter.zero_variance=true")
-    assert tr.tail.dynamic_sampling
-    tr.reward_fn = lambda text, answer: 1.0
+    tr = make(
+        tmp_path,
+        *TAIL,
+        "rollout.n=3",
+        "train.micro_batch_size=6",
+        "filter.zero_variance=true",
+        reward_fn=lambda text, answer: 1.0,
+    )
+    assert tr.tail.policy.dynamic_sampling
     for _ in range(4):
         tr.step()
-    c = tr.tail.counts
+    c = tr.tail.policy.counts
     assert c["drawn"] == c["trained"] + c["dropped"] + c["queued"] == 12
     assert c["trained"] == 8 and c["dropped"] >= 1  # (all 4 deferred prompts today)
 

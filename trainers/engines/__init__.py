@@ -2,7 +2,8 @@
 
 Embedded defaults, which run anywhere: :class:`HFRolloutEngine` (transformers sampling loop)
 and :class:`TorchTrainEngine` (plain PyTorch). vLLM and DeepSpeed engines implement the same
-protocols. transformers is imported only when an engine is built.
+protocols. transformers, vLLM and DeepSpeed are imported only when an engine is built;
+:mod:`trainers.engines.build` makes engines from a config.
 """
 
 from trainers.engines.base import (
@@ -16,6 +17,7 @@ from trainers.engines.base import (
     pad_right,
     position_ids_from_mask,
 )
+from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
 from trainers.engines.hf_rollout import HFRolloutEngine, process_logits
 from trainers.engines.requests import (
     HFRequestEngine,
@@ -47,13 +49,3 @@ __all__ = [
     "process_logits",
     "token_logprobs",
 ]
-
-
-def __getattr__(name: str):
-    # Lazy: importing DeepSpeedTrainEngine's module sets DS_ACCELERATOR=cpu on machines
-    # without CUDA (before deepspeed is imported); deepspeed itself loads when one is built.
-    if name == "DeepSpeedTrainEngine":
-        from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
-
-        return DeepSpeedTrainEngine
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainers.deps import require
 from trainers.engines.torch_train import response_logprobs
 
 __all__ = ["DeepSpeedTrainEngine", "build_ds_config", "import_deepspeed"]
@@ -72,8 +73,6 @@ _FIXED = {"gradient_accumulation_steps": 1, "managed_gradient_accumulation": Fal
 def import_deepspeed() -> Any:
     """Import deepspeed (with ``DS_ACCELERATOR=cpu`` set above when there is no CUDA) or
     raise ``ImportError`` naming the extra to install."""
-    from trainers.deps import require
-
     return require("deepspeed")
 
 
@@ -194,6 +193,56 @@ def _detached_copy(obj: Any) -> Any:
     return obj
 
 
+def _check_args(
+    model: Any,
+    zero_stage: Any,
+    lr: Any,
+    weight_decay: Any,
+    grad_clip: Any,
+    dtype: Any,
+    optimizer: Any,
+    optimizer_factory: Any,
+    device: Any,
+) -> torch.device:
+    """The constructor's argument checks; returns the device."""
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers causal LM), got {type(model)}")
+    if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
+        raise ValueError(f"grad_clip must be None or > 0, got {grad_clip!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer is not None and optimizer_factory is not None:
+        raise ValueError("pass optimizer or optimizer_factory, not both")
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    return device
+
+
+def _deepspeed_for(device: torch.device) -> Any:
+    """deepspeed, checked to run on ``device``'s accelerator (DS_ACCELERATOR)."""
+    deepspeed = import_deepspeed()
+    acc = require("deepspeed.accelerator").get_accelerator().device_name()
+    if (acc == "cpu") != (device.type == "cpu"):
+        raise ValueError(
+            f"device={str(device)!r} but DeepSpeed's accelerator is {acc!r}: set DS_ACCELERATOR="
+            f"{'cpu' if device.type == 'cpu' else 'cuda'} before deepspeed is first imported"
+        )
+    if device.type == "cpu":
+        _skip_shm_comm_build(deepspeed)
+    return deepspeed
+
+
 class DeepSpeedTrainEngine:
     """A :class:`~trainers.engines.base.TrainEngine` on DeepSpeed ZeRO, stages 0 to 3.
 
@@ -243,27 +292,9 @@ class DeepSpeedTrainEngine:
         share_prompts: bool = True,
         ds_config: dict[str, Any] | None = None,
     ) -> None:
-        if isinstance(zero_stage, bool) or not isinstance(zero_stage, int) or zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module (a transformers causal LM), got {type(model)}")
-        if not (isinstance(lr, (int, float)) and lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
-            raise ValueError(f"grad_clip must be None or > 0, got {grad_clip!r}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if optimizer is not None and optimizer_factory is not None:
-            raise ValueError("pass optimizer or optimizer_factory, not both")
-        device = torch.device(device)
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device")
+        device = _check_args(
+            model, zero_stage, lr, weight_decay, grad_clip, dtype, optimizer, optimizer_factory, device
+        )
         # ZeRO-0 in fp32 steps the torch optimizer as it is, and DeepSpeed would clip without
         # reporting the norm: the engine clips itself there (see _pre_step_hook).
         self._plain = zero_stage == 0 and dtype == torch.float32
@@ -271,17 +302,7 @@ class DeepSpeedTrainEngine:
             zero_stage, grad_clip=None if self._plain else grad_clip, dtype=dtype, ds_config=ds_config
         )
 
-        deepspeed = import_deepspeed()
-        from deepspeed.accelerator import get_accelerator
-
-        acc = get_accelerator().device_name()
-        if (acc == "cpu") != (device.type == "cpu"):
-            raise ValueError(
-                f"device={str(device)!r} but DeepSpeed's accelerator is {acc!r}: set DS_ACCELERATOR="
-                f"{'cpu' if device.type == 'cpu' else 'cuda'} before deepspeed is first imported"
-            )
-        if device.type == "cpu":
-            _skip_shm_comm_build(deepspeed)
+        deepspeed = _deepspeed_for(device)
         self.owns_process_group = _ensure_process_group(device)
 
         self.zero_stage = zero_stage

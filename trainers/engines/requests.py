@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.hf_rollout import decode_step, prefill, sample_tokens
 
 __all__ = [
     "HFRequestEngine",
@@ -334,8 +335,6 @@ class HFRequestEngine(_RequestEngineBase):
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        from trainers.engines.hf_rollout import decode_step, prefill, sample_tokens
-
         if not self._running:
             return []
         first = next(iter(self._running.values()))

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rollkit.losses import entropy_from_logits
 from trainers.engines.base import position_ids_from_mask
 
 __all__ = ["TorchTrainEngine", "response_logits", "response_logprobs", "token_logprobs"]
@@ -174,8 +175,6 @@ def response_logprobs(
     lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
     if not with_entropy:
         return lp
-    from rollkit.losses import entropy_from_logits
-
     z = logits.float() / temperature if temperature != 1.0 else logits.float()
     return lp, entropy_from_logits(z).masked_fill(~mask, 0.0)
 

@@ -116,6 +116,74 @@ def _refresh_tied_lm_head(worker: Any) -> bool:
     return True
 
 
+def _check_args(
+    dtype: str | torch.dtype,
+    gpu_memory_utilization: float,
+    kv_cache_gib: float | None,
+    tensor_parallel_size: int,
+    engine_kwargs: dict[str, Any],
+) -> str:
+    """The constructor's argument checks; returns the dtype's name (drops ``logprobs_mode``)."""
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in _DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+        dtype = names[dtype]
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if kv_cache_gib is not None and not kv_cache_gib > 0:
+        raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if "logprobs_mode" in engine_kwargs and engine_kwargs["logprobs_mode"] != "processed_logprobs":
+        raise ValueError(
+            "logprobs_mode is fixed to 'processed_logprobs' (the rollout log-prob convention), "
+            f"got {engine_kwargs['logprobs_mode']!r}"
+        )
+    engine_kwargs.pop("logprobs_mode", None)
+    return dtype
+
+
+def _engine_kwargs(
+    device_type: str,
+    config: dict[str, Any],
+    model_path: Any,
+    kv_cache_gib: float | None,
+    gpu_memory_utilization: float,
+    max_model_len: int | None,
+) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for the device: on CPU the KV cache size goes through
+    ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; default 1), on GPUs through the memory settings."""
+    kwargs: dict[str, Any] = {}
+    if device_type == "cpu":
+        _check_cpu_head_size(config, model_path)
+        if kv_cache_gib is not None:
+            if kv_cache_gib != int(kv_cache_gib):
+                raise ValueError(
+                    f"kv_cache_gib must be a whole number of GiB on CPU (VLLM_CPU_KVCACHE_SPACE), got {kv_cache_gib}"
+                )
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    return kwargs
+
+
+def _eos_ids(tokenizer: Any, gen_cfg: dict[str, Any]) -> tuple[int, ...]:
+    eos: set[int] = set()
+    for e in (getattr(tokenizer, "eos_token_id", None), gen_cfg.get("eos_token_id")):
+        if e is not None:
+            eos.update([e] if isinstance(e, int) else e)
+    return tuple(sorted(eos))
+
+
 class VLLMRolloutEngine:
     """A :class:`~trainers.engines.base.RolloutEngine` over ``vllm.LLM``.
 
@@ -153,25 +221,7 @@ class VLLMRolloutEngine:
         enable_sleep_mode: bool | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        if isinstance(dtype, torch.dtype):
-            names = {v: k for k, v in _DTYPES.items()}
-            if dtype not in names:
-                raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype}")
-            dtype = names[dtype]
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if kv_cache_gib is not None and not kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {kv_cache_gib}")
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        if "logprobs_mode" in engine_kwargs and engine_kwargs["logprobs_mode"] != "processed_logprobs":
-            raise ValueError(
-                "logprobs_mode is fixed to 'processed_logprobs' (the rollout log-prob convention), "
-                f"got {engine_kwargs['logprobs_mode']!r}"
-            )
-        engine_kwargs.pop("logprobs_mode", None)
+        dtype = _check_args(dtype, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, engine_kwargs)
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -188,23 +238,9 @@ class VLLMRolloutEngine:
         self.device_type: str = "cpu" if current_platform.is_cpu() else str(current_platform.device_type)
         if enable_sleep_mode is None:
             enable_sleep_mode = self.device_type != "cpu" and current_platform.is_sleep_mode_available()
-        kwargs: dict[str, Any] = {}
-        if self.device_type == "cpu":
-            _check_cpu_head_size(config, model_path)
-            if kv_cache_gib is not None:
-                if kv_cache_gib != int(kv_cache_gib):
-                    raise ValueError(
-                        f"kv_cache_gib must be a whole number of GiB on CPU (VLLM_CPU_KVCACHE_SPACE), got {kv_cache_gib}"
-                    )
-                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-            else:
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        else:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            if kv_cache_gib is not None:
-                kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
+        kwargs = _engine_kwargs(
+            self.device_type, config, model_path, kv_cache_gib, gpu_memory_utilization, max_model_len
+        )
         kwargs.update(engine_kwargs)
         self.dtype = _DTYPES[dtype]
         from vllm import envs
@@ -227,12 +263,8 @@ class VLLMRolloutEngine:
         self._vllm = vllm
         self.sleep_frees_memory: bool = bool(enable_sleep_mode)
         self.tokenizer = self.llm.get_tokenizer()
-        eos: set[int] = set()
         gen_cfg = self.llm.llm_engine.model_config.try_get_generation_config() or {}
-        for e in (getattr(self.tokenizer, "eos_token_id", None), gen_cfg.get("eos_token_id")):
-            if e is not None:
-                eos.update([e] if isinstance(e, int) else e)
-        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        self.eos_token_ids: tuple[int, ...] = _eos_ids(self.tokenizer, gen_cfg)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         self.pad_token_id: int = pad if pad is not None else (self.eos_token_ids or (0,))[0]
         self.policy_version = 0

@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainers.deps import require
+
 __all__ = ["ActorSlot", "BundlePlan", "Placement", "plan_bundles"]
 
 MODES = ("colocated", "disaggregated")
@@ -153,11 +155,9 @@ class Placement:
     """
 
     def __init__(self, plan: BundlePlan, *, timeout_s: float = 120.0) -> None:
-        import ray
-        from ray.util.placement_group import placement_group
-
+        ray = require("ray")
         self.plan = plan
-        self.pg = placement_group(plan.bundles, strategy=plan.strategy)
+        self.pg = require("ray.util.placement_group").placement_group(plan.bundles, strategy=plan.strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             ray.util.remove_placement_group(self.pg)
@@ -168,8 +168,9 @@ class Placement:
             )
 
     def options(self, slot: ActorSlot) -> dict[str, Any]:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        PlacementGroupSchedulingStrategy = require(
+            "ray.util.scheduling_strategies"
+        ).PlacementGroupSchedulingStrategy
         return {
             "num_cpus": slot.num_cpus,
             "num_gpus": slot.num_gpus,
@@ -181,6 +182,4 @@ class Placement:
         }
 
     def remove(self) -> None:
-        import ray
-
-        ray.util.remove_placement_group(self.pg)
+        require("ray").util.remove_placement_group(self.pg)

@@ -1,4 +1,4 @@
-"""The roles of :class:`~trainers.sync_trainer.SyncTrainer` as Ray actors, and the group proxies
+"""The roles of :class:`~trainers.loops.SyncTrainer` as Ray actors, and the group proxies
 the trainer talks to.
 
 Actors (one process each, placed by :mod:`trainers.ray.placement`):
@@ -10,7 +10,7 @@ Actors (one process each, placed by :mod:`trainers.ray.placement`):
 * :class:`TrainWorker`: data-parallel rank ``r`` of ``N``: the ranks form a torch.distributed
   group (gloo on CPU, NCCL on GPUs; rendezvous at rank 0's node address and a free port) and
   each runs a training engine (``train.engine``: ``torch`` or ``deepspeed`` with
-  ``train.zero_stage``) and :func:`~trainers.sync_trainer.ppo_update` on its share of every
+  ``train.zero_stage``) and :func:`~trainers.learner.ppo_update` on its share of every
   mini-batch.
 * :class:`ReferenceWorker`: the frozen initial policy (log-probs for the KL term).
 
@@ -50,7 +50,13 @@ from typing import Any
 import torch
 
 from trainers.config import Config
+from trainers.deps import require
 from trainers.engines.base import Generation, PackedBatch, SamplingParams, batch_logprobs
+from trainers.engines.build import build_model, make_rollout_engine, make_train_engine, parse_dtype
+from trainers.engines.requests import as_request_engine
+from trainers.engines.torch_train import TorchTrainEngine
+from trainers.learner import UpdateSpec, UpdateStats, ppo_update
+from trainers.models import char_tokenizer, default_model_path
 from trainers.ray.placement import Placement, plan_bundles
 
 __all__ = [
@@ -71,8 +77,6 @@ MAX_INFLIGHT = 2
 
 
 def _ray() -> Any:
-    from trainers.deps import require
-
     return require("ray")
 
 
@@ -111,8 +115,6 @@ def _model(cfg: Config, model: Any, tokenizer: Any) -> tuple[Any, Any]:
     """The shipped ``(model, tokenizer)``, or built from ``cfg.model`` on this node."""
     if model is not None:
         return model, tokenizer
-    from trainers.sync_trainer import build_model
-
     return build_model(cfg)
 
 
@@ -124,8 +126,6 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int) -> None:
         _setup_process(threads)
-        from trainers.sync_trainer import make_rollout_engine
-
         model, tokenizer = _model(cfg, model, tokenizer)
         self.engine = make_rollout_engine(cfg, model, tokenizer, device=device)
         self.requests: Any = None  # the request-level view (init_requests)
@@ -142,8 +142,6 @@ class RolloutWorker:
 
     def init_requests(self, chunk_tokens: int, seed: int) -> int:
         """Build the request-level view of the engine (once); returns its policy version."""
-        from trainers.engines.requests import as_request_engine
-
         if self.requests is None:
             self.requests = as_request_engine(self.engine, chunk_tokens=chunk_tokens, seed=seed)
         return self.engine.policy_version
@@ -200,16 +198,12 @@ class TrainWorker:
                 rank=self.rank,
                 world_size=self.world_size,
             )
-        from trainers.sync_trainer import UpdateSpec, make_train_engine
-
         model, _ = _model(self.cfg, model, tokenizer)
         self.engine = make_train_engine(self.cfg, model, device=self.device)
         self.spec = UpdateSpec.from_config(self.cfg)
         return _node_id()
 
     def update(self, payload: dict[str, Any], seed: int) -> tuple[dict[str, float], dict[str, float]]:
-        from trainers.sync_trainer import ppo_update
-
         stats = ppo_update(
             self.engine,
             payload["batch"],
@@ -251,12 +245,8 @@ class ReferenceWorker:
 
     def __init__(self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int) -> None:
         _setup_process(threads)
-        from trainers.engines import TorchTrainEngine
-
         model, _ = _model(cfg, model, tokenizer)
-        from trainers.sync_trainer import _dtype
-
-        self.engine = TorchTrainEngine(model, dtype=_dtype(cfg.model.dtype), device=device)
+        self.engine = TorchTrainEngine(model, dtype=parse_dtype(cfg.model.dtype), device=device)
         self.engine.model.eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -407,7 +397,7 @@ class RayRequestEngine:
 
 
 class RayTrainGroup:
-    """N train ranks behind the :class:`~trainers.sync_trainer.Learner` interface."""
+    """N train ranks behind the :class:`~trainers.learner.Learner` interface."""
 
     def __init__(self, workers: list[Any]) -> None:
         self.workers = workers
@@ -419,8 +409,6 @@ class RayTrainGroup:
     def update(
         self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
     ) -> dict[str, float]:
-        from trainers.sync_trainer import UpdateStats
-
         ray = _ray()
         payload = ray.put({"batch": batch, "advantages": advantages, "ref_logprobs": ref_logprobs})
         total = UpdateStats()
@@ -511,12 +499,7 @@ def _gpus(cfg: Config) -> float:
 
 def _tokenizer(cfg: Config) -> Any:
     if cfg.model.path == "tiny":
-        from trainers.models import char_tokenizer
-
         return char_tokenizer()
-    from trainers.deps import require
-    from trainers.models import default_model_path
-
     return require("transformers").AutoTokenizer.from_pretrained(str(cfg.model.path or default_model_path()))
 
 

@@ -1,0 +1,208 @@
+"""Engines from a config: the dtype policy, the policy model, and the rollout / train engine factories.
+
+Every loop builds its engines here, in process or inside a Ray actor:
+
+* :func:`build_model` loads ``cfg.model`` (``"tiny"``: a random tiny Qwen2 with the character
+  tokenizer; ``""``: the embedded default SmolLM2-135M-Instruct; else a checkpoint directory);
+* :func:`make_rollout_engine` / :func:`make_train_engine` wrap a model in the engine that
+  ``rollout.engine`` / ``train.engine`` names, with the config's sampling dtype, optimizer and
+  learning-rate schedule; :func:`build_engines` does both (the rollout gets a copy).
+
+The dtype policy: ``rollout.dtype`` and ``train.autocast`` may say ``auto``, which picks
+bfloat16 where its matmuls are fast (:func:`fast_bf16`: CUDA with bf16, or a CPU with AMX
+tiles) and the model's dtype elsewhere. ``ROLLKIT_FAST_BF16=0`` forces the "not fast" answer
+(float32 on any CPU) and ``=1`` the fast one, so one machine can exercise both paths.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainers.config import ROLLOUT_ENGINES, TRAIN_ENGINES
+from trainers.engines.base import RolloutEngine, TrainEngine
+from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
+from trainers.engines.hf_rollout import HFRolloutEngine
+from trainers.engines.torch_train import TorchTrainEngine
+from trainers.engines.vllm_rollout import VLLMRolloutEngine
+from trainers.models import char_tokenizer, default_model_path, load_model, save_model, tiny_qwen2
+
+__all__ = [
+    "DTYPES",
+    "ROLLOUT_ENGINES",
+    "TRAIN_ENGINES",
+    "build_engines",
+    "build_model",
+    "dtype_name",
+    "fast_bf16",
+    "lr_lambda",
+    "make_rollout_engine",
+    "make_train_engine",
+    "parse_dtype",
+    "rollout_dtype",
+    "train_autocast",
+]
+
+#: dtype names of the config -> torch dtypes
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str, field: str = "model.dtype") -> torch.dtype:
+    """The torch dtype called ``name`` (``float32``, ``bfloat16`` or ``float16``)."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{field} must be float32, bfloat16 or float16, got {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def fast_bf16(device: str) -> bool:
+    """Whether bfloat16 matmuls are fast on ``device``: CUDA with bf16 support, or a CPU with
+    AMX tiles (measured on this project's CPUs: 4-9x float32 for a 2048x576x1536 matmul).
+    ``ROLLKIT_FAST_BF16=0`` / ``=1`` overrides the answer (tests exercise both paths)."""
+    force = os.environ.get("ROLLKIT_FAST_BF16", "")
+    if force in ("0", "1"):
+        return force == "1"
+    if str(device).startswith("cuda"):
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx is not None and amx())
+
+
+def rollout_dtype(cfg: Any, device: str) -> torch.dtype:
+    """``rollout.dtype`` resolved (``""``: ``model.dtype``; ``"auto"``: bfloat16 if fast)."""
+    d = cfg.rollout.dtype
+    if d == "":
+        return parse_dtype(cfg.model.dtype)
+    if d == "auto":
+        return torch.bfloat16 if fast_bf16(device) else parse_dtype(cfg.model.dtype)
+    if d not in DTYPES:
+        raise ValueError(f"rollout.dtype must be '', auto, float32, bfloat16 or float16, got {d!r}")
+    return DTYPES[d]
+
+
+def train_autocast(cfg: Any, device: str) -> torch.dtype | None:
+    """``train.autocast`` resolved to a dtype or None (``"auto"``: bfloat16 if fast and the
+    model is float32, for the torch engine)."""
+    a = cfg.train.autocast
+    if a == "off":
+        return None
+    if a == "auto":
+        ok = cfg.train.engine == "torch" and cfg.model.dtype == "float32" and fast_bf16(device)
+        return torch.bfloat16 if ok else None
+    if a not in ("bfloat16", "float16"):
+        raise ValueError(f"train.autocast must be off, auto, bfloat16 or float16, got {a!r}")
+    if cfg.train.engine != "torch":
+        raise ValueError(
+            f"train.autocast={a} applies to the torch engine; with train.engine={cfg.train.engine} "
+            "set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"
+        )
+    return DTYPES[a]
+
+
+def lr_lambda(cfg: Any) -> Callable[[int], float]:
+    """The learning-rate factor per optimizer step: linear warm-up over ``train.warmup_steps``,
+    then constant or cosine decay to 0 at ``train.steps`` (``train.lr_schedule``)."""
+    warm, total, kind = cfg.train.warmup_steps, max(cfg.train.steps, 1), cfg.train.lr_schedule
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"train.lr_schedule must be constant or cosine, got {kind!r}")
+
+    def f(step: int) -> float:  # step counts optimizer steps
+        if warm and step < warm:
+            return (step + 1) / warm
+        if kind == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+        return 1.0
+
+    return f
+
+
+def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of ``cfg.model``: the tiny Qwen2 + character tokenizer for
+    ``"tiny"`` (``max_positions`` long), else a local Hugging Face checkpoint (``""``: the
+    embedded default)."""
+    dtype = parse_dtype(cfg.model.dtype)
+    m = cfg.model
+    if m.path == "tiny":
+        tok = char_tokenizer()
+        model = tiny_qwen2(
+            tok,
+            seed=m.tiny_seed,
+            heads=m.tiny_heads,
+            kv_heads=m.tiny_kv_heads,
+            dtype=dtype,
+            max_positions=max_positions,
+        )
+        return model, tok
+    path = m.path or default_model_path()
+    if not Path(path).exists():
+        raise ValueError(f"model.path: {path} does not exist (give a local HF checkpoint directory)")
+    return load_model(path, dtype=dtype)
+
+
+def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> RolloutEngine:
+    """The ``rollout.engine`` engine over ``model`` (used as is: pass a copy). vLLM loads from
+    a directory: the model and tokenizer are saved to a private temporary directory first,
+    which lives as long as the engine (``engine.model_dir``)."""
+    r = cfg.rollout
+    if r.engine == "hf":
+        return HFRolloutEngine(
+            model, tokenizer, device=device, dtype=rollout_dtype(cfg, device), max_batch_size=r.max_batch_size
+        )
+    if r.engine == "vllm":
+        tmp = tempfile.TemporaryDirectory(prefix="rollkit-vllm-")
+        save_model(model, tokenizer, tmp.name)
+        eng = VLLMRolloutEngine(
+            tmp.name,
+            dtype=dtype_name(rollout_dtype(cfg, device)),
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_model_len=r.max_model_len,
+            seed=cfg.seed,
+        )
+        eng.model_dir = tmp  # removed with the engine
+        return eng
+    raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
+
+
+def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
+    """The ``train.engine`` engine over ``model`` (``torch`` or ``deepspeed`` with
+    ``train.zero_stage``), with the config's optimizer settings and LR schedule."""
+    t, dtype, lam = cfg.train, parse_dtype(cfg.model.dtype), lr_lambda(cfg)
+    kw = dict(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lam),
+        dtype=dtype,
+        device=device,
+    )
+    if t.engine == "torch":
+        return TorchTrainEngine(model, autocast=train_autocast(cfg, device), **kw)
+    if t.engine == "deepspeed":
+        train_autocast(cfg, device)  # rejects an explicit autocast
+        return DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, **kw)
+    raise ValueError(f"train.engine must be one of {TRAIN_ENGINES}, got {t.engine!r}")
+
+
+def build_engines(
+    cfg: Any, *, model: Any = None, tokenizer: Any = None, max_positions: int = 512
+) -> tuple[RolloutEngine, TrainEngine, Any]:
+    """``(rollout, train, tokenizer)`` in this process: ``rollout.engine`` / ``train.engine``
+    over ``model`` (default :func:`build_model`); the rollout gets a copy of the weights."""
+    if model is None:
+        model, tokenizer = build_model(cfg, max_positions=max_positions)
+    elif tokenizer is None:
+        raise ValueError("tokenizer: required with model")
+    rollout = make_rollout_engine(cfg, copy.deepcopy(model), tokenizer, device=cfg.train.device)
+    return rollout, make_train_engine(cfg, model, device=cfg.train.device), tokenizer

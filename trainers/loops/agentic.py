@@ -1,0 +1,440 @@
+"""The agentic multi-turn RL trainer: environment episodes -> trajectories -> StarPO / GiGPO -> PPO.
+
+:meth:`AgenticTrainer.step` is one RL step::
+
+    collect (lock-step | env-level async | async + redundant environments; faulty envs dropped and
+    replaced) -> one sequence per episode, response_mask False on env tokens -> advantages
+    (registry name: "starpo" per trajectory, "gigpo" per step with state groups, or any outcome
+    estimator) -> the one PPO update (trainers.learner.ppo_update) -> push weights -> log
+
+With ``rollout.max_staleness = 0`` (default) the step is synchronous; with ``>= 1`` the next batch
+is collected in the background while the current one trains, with a per-turn staleness bound.
+Configuration: :class:`~trainers.config.AgenticConfig`. docs/agentic.md.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollkit.advantages import anchor_state_index
+from rollkit.registry import ADVANTAGE_ESTIMATORS
+from rollkit.trajectory import TrajectoryBatch
+from trainers.config import AgenticConfig, validate_agentic
+from trainers.deps import require
+from trainers.engines.base import PackedBatch, SamplingParams
+from trainers.engines.build import build_engines
+from trainers.envs.base import extract_boxed
+from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
+from trainers.envs.turns import TurnEncoder
+from trainers.envs.wrappers import build_inner
+from trainers.learner import UpdateSpec, nll_loss, ppo_update
+from trainers.tracking import Tracker
+
+__all__ = ["AgenticTrainer", "build_agentic_engines", "plot_history"]
+
+
+def build_agentic_engines(cfg: AgenticConfig) -> tuple[Any, Any, Any]:
+    """``(rollout, train, tokenizer)``: the embedded transformers / PyTorch engines for
+    ``cfg.model`` (:func:`trainers.engines.build.build_engines`; the tiny model gets positions
+    for ``env.max_context`` tokens)."""
+    validate_agentic(cfg)
+    return build_engines(cfg, max_positions=max(512, cfg.env.max_context))
+
+
+def trajectory_advantages(
+    entry: Any, batch: TrajectoryBatch, kwargs: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``[B, T]`` advantages on the action tokens (0 on environment tokens and padding) by the
+    estimator ``entry``: step-level (GiGPO, one value per turn) when it reads ``step_rewards``,
+    else trajectory-level (StarPO, GRPO, RLOO, ...: one value per trajectory)."""
+    mask = batch.response_mask
+    anchor, n_anchor = anchor_state_index(batch.step_group_ids, batch.state_ids)
+    sizes = torch.bincount(anchor, minlength=n_anchor) if anchor.numel() else anchor
+    metrics = {"adv/state_groups": float(n_anchor), "adv/state_groups_multi": float((sizes > 1).sum())}
+    if "step_rewards" in entry.in_keys.values():
+        steps = {
+            "step_rewards": batch.step_rewards,
+            "traj_ids": batch.traj_ids,
+            "step_index": batch.step_index,
+            "group_ids": batch.step_group_ids,
+            "state_ids": batch.state_ids,
+            "episode_returns": batch.episode_returns,
+        }
+        adv = batch.steps_to_tokens(entry.call(steps, **kwargs))
+    else:
+        rows = {
+            "rewards": batch.rewards,
+            "group_ids": batch.group_ids,
+            "response_mask": mask,
+            "response_length": mask.sum(-1),
+        }
+        out = entry.call(rows, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        adv = (out[:, None] if out.dim() == 1 else out) * mask
+    adv = torch.where(mask, adv, torch.zeros((), dtype=adv.dtype))
+    metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
+    return adv, metrics
+
+
+def episode_metrics(result: EpisodeBatch, version: int) -> dict[str, float]:
+    """Rewards, success, turns and staleness of a collected batch (plus the collector's metrics)."""
+    eps = result.episodes
+    versions = [v for e in eps for v in e.versions]
+    stale = [version - v for v in versions]
+    return {
+        **result.metrics,
+        "reward/mean": sum(e.total_reward for e in eps) / len(eps),
+        "success/rate": sum(e.success for e in eps) / len(eps),
+        "episode/turns_mean": sum(len(e.turns) for e in eps) / len(eps),
+        "episode/action_tokens_mean": sum(len(t.action_ids) for e in eps for t in e.turns)
+        / max(1, len(versions)),
+        "episode/context_full": float(sum(e.context_full for e in eps)),
+        "staleness/max": float(max(stale, default=0)),
+        "staleness/mean": sum(stale) / max(1, len(stale)),
+    }
+
+
+class AgenticTrainer:
+    """Multi-turn agentic RL (module docstring): ``fit()`` = evaluate, ``train.steps`` x
+    :meth:`step`, evaluate.
+
+    Args:
+        cfg: the configuration.
+        rollout_engine, train_engine, tokenizer: engines (default :func:`build_agentic_engines`);
+            the rollout engine must start with the train engine's weights.
+        runner: an :class:`~trainers.envs.workers.EnvWorkers` to play in (default: a new one).
+    """
+
+    def __init__(
+        self,
+        cfg: AgenticConfig,
+        *,
+        rollout_engine: Any = None,
+        train_engine: Any = None,
+        tokenizer: Any = None,
+        runner: Any = None,
+    ) -> None:
+        validate_agentic(cfg)
+        self.cfg = cfg
+        if rollout_engine is None or train_engine is None:
+            rollout_engine, train_engine, tokenizer = build_agentic_engines(cfg)
+        if tokenizer is None:
+            raise ValueError("tokenizer: required when the engines are passed in")
+        self.train, self.tok = train_engine, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        e = cfg.env
+        template = None if e.chat_template == "auto" else e.chat_template == "on"
+        self.encoder = TurnEncoder(tokenizer, chat_template=template, system_prompt=e.system_prompt or None)
+        self.rollout = EpisodeRunner(
+            rollout_engine,
+            self.encoder,
+            e.name,
+            e.kwargs,
+            max_turns=e.max_turns,
+            max_context=e.max_context,
+            workers=runner,
+            deadline_s=e.deadline_s,
+            start_method=e.start_method,
+            max_batch_size=cfg.rollout.max_batch_size,
+        )
+        self.adv_entry = ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
+        self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)
+        self.version = 0  # optimizer steps applied = the policy version the engine serves
+        self._seeds = random.Random(cfg.seed)
+        self._calls = 0
+        self._bg = (
+            ThreadPoolExecutor(1, thread_name_prefix="agentic-collect") if cfg.rollout.max_staleness else None
+        )
+        self._next: Future | None = None
+        torch.manual_seed(cfg.seed)
+
+    # ------------------------------------------------------------------ rollout
+
+    @property
+    def launch_groups(self) -> int:
+        r = self.cfg.rollout
+        return r.num_env_groups or r.groups_per_step
+
+    def version_floor(self) -> int:
+        """The oldest policy version a turn may come from (``version - max_staleness``)."""
+        return self.version - self.cfg.rollout.max_staleness
+
+    def _params(self, temperature: float, max_tokens: int) -> SamplingParams:
+        r = self.cfg.rollout
+        self._calls += 1
+        return SamplingParams(
+            temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=max_tokens,
+            seed=(self.cfg.seed * 1_000_003 + self._calls * 7919) % (2**31),
+        )
+
+    def collect(self) -> EpisodeBatch:
+        """One batch of ``groups_per_step x group_size`` finished episodes (fresh task seeds)."""
+        r = self.cfg.rollout
+        seeds: list[int] = []
+        while len(seeds) < self.launch_groups + 2:  # two spare tasks for abandoned groups
+            s = self._seeds.randrange(self.cfg.eval.seed)
+            if s not in seeds:
+                seeds.append(s)
+        return self.rollout.collect(
+            seeds,
+            self._params(r.temperature, r.max_tokens),
+            groups=r.groups_per_step,
+            group_size=r.group_size,
+            mode=r.mode,
+            redundancy=r.redundancy,
+            launch_groups=self.launch_groups if r.mode == "async" else r.groups_per_step,
+            version_floor=self.version_floor if r.max_staleness else None,
+            max_attempts=r.max_attempts or None,
+        )
+
+    def prestart(self) -> None:
+        """Start the environment workers a step needs (outside the timed steps)."""
+        r = self.cfg.rollout
+        self.rollout.prestart(self.launch_groups * (r.group_size + r.redundancy))
+
+    def _next_batch(self) -> EpisodeBatch:
+        """Collect now, or take the batch collected while the previous step trained."""
+        if self._bg is None:
+            return self.collect()
+        if self._next is None:
+            self._next = self._bg.submit(self.collect)
+        result = self._next.result()
+        self._next = self._bg.submit(self.collect)
+        return result
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        result = self._next_batch()
+        t_rollout = time.perf_counter() - t0
+        metrics = episode_metrics(result, self.version)
+        # trajectories -> one packed batch (env tokens masked out of the response) -> advantages
+        batch = result.to_batch(max_context=cfg.env.max_context, pad_token_id=self.pad_id)
+        adv, adv_metrics = trajectory_advantages(self.adv_entry, batch, cfg.algorithm.advantage_kwargs)
+        metrics.update(adv_metrics)
+        # the one PPO update; the old log-probs are the rollout's (behaviour) ones
+        t1 = time.perf_counter()
+        L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
+        packed = PackedBatch(
+            batch.input_ids,
+            batch.attention_mask,
+            batch.response_mask,
+            L - T,
+            old_logprobs=batch.behavior_logprobs,
+        )
+        stats = ppo_update(self.train, packed, adv, self.spec, seed=cfg.seed * 7919 + self.version)
+        metrics.update(stats.metrics())
+        t_train = time.perf_counter() - t1
+        # push the weights (between two generation batches if a collection is running)
+        t2 = time.perf_counter()
+        self.version += 1
+        self.rollout.server.update_weights(self.train.export_weights(), self.version)
+        metrics.update(
+            {
+                "time/rollout": t_rollout,
+                "time/train": t_train,
+                "time/weight_sync": time.perf_counter() - t2,
+                "time/step": time.perf_counter() - t0,
+                "train/trajectories": float(batch.response_mask.shape[0]),
+            }
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, episodes: int | None = None) -> dict[str, float]:
+        """Greedy success rate on the fixed evaluation tasks."""
+        ev = self.cfg.eval
+        n = ev.episodes if episodes is None else episodes
+        seeds = [ev.seed + i for i in range(n + 2)]
+        params = SamplingParams(temperature=0.0, max_tokens=ev.max_tokens, seed=0)
+        res = self.rollout.collect(seeds, params, groups=n, group_size=1, mode="async", launch_groups=n)
+        eps = res.episodes
+        return {
+            "eval/success_rate": sum(e.success for e in eps) / len(eps),
+            "eval/reward_mean": sum(e.total_reward for e in eps) / len(eps),
+            "eval/turns_mean": sum(len(e.turns) for e in eps) / len(eps),
+        }
+
+    # ------------------------------------------------------------------ warm-up
+
+    def _warmup_examples(self, env: Any, rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+        """``warmup.batch_size`` contexts of random tasks after ``0 .. 2`` random turns (built in
+        token space as the rollout builds them) and a random well-formed action + EOS for each."""
+        w, eos = self.cfg.warmup, self.tok.eos_token_id
+
+        def action() -> list[int]:
+            text = env.sample_random_action()
+            text = (extract_boxed(text) or text) if w.bare else text
+            return [*self.tok(text, add_special_tokens=False).input_ids, eos]
+
+        contexts: list[list[int]] = []
+        answers: list[list[int]] = []
+        while len(contexts) < w.batch_size:
+            obs, _ = env.reset(seed=rng.randrange(self.cfg.eval.seed))
+            context = self.encoder.prompt_ids(obs)
+            for _ in range(rng.randrange(min(3, self.cfg.env.max_turns))):
+                act = action()
+                obs, _, terminated, truncated, _ = env.step(self.tok.decode(act, skip_special_tokens=True))
+                if terminated or truncated:
+                    break
+                context = context + act + self.encoder.obs_ids(obs, act)
+            else:
+                if len(context) < self.cfg.env.max_context - 16:
+                    contexts.append(context)
+                    answers.append(action())
+        return contexts, answers
+
+    def warmup(self, steps: int | None = None) -> float:
+        """Supervised warm-up (``warmup.*``): token-mean NLL of random well-formed actions after
+        random contexts, through the train engine's forward with an AdamW of its own (lr
+        ``warmup.lr``); pushes the weights. Returns the last loss."""
+        w = self.cfg.warmup
+        steps = w.steps if steps is None else steps
+        if steps <= 0:
+            return float("nan")
+        env = build_inner(self.cfg.env.name, self.cfg.env.kwargs)
+        rng = random.Random(self.cfg.seed + 17)
+        params = [p for p in self.train.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=w.lr)
+        loss_v = float("nan")
+        for _ in range(steps):
+            contexts, answers = self._warmup_examples(env, rng)
+            loss = nll_loss(self.train, contexts, answers, self.pad_id)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            loss_v = float(loss.detach())
+        opt.zero_grad(set_to_none=True)
+        self.rollout.server.update_weights(self.train.export_weights(), self.version)
+        return loss_v
+
+    # ------------------------------------------------------------------ fit
+
+    def _progress(self, k: int, total: int, m: dict[str, float]) -> str:
+        ev = f" eval {m['eval/success_rate']:.3f}" if "eval/success_rate" in m else ""
+        return (
+            f"[step {k:>4}/{total}] reward {m['reward/mean']:+.3f} success {m['success/rate']:.3f} "
+            f"turns {m['episode/turns_mean']:.1f} {m['time/step']:.1f}s "
+            f"({m['time/rollout']:.1f} rollout, {m['time/train']:.1f} train) "
+            f"env hang/error/died/replaced/cancelled {m['env/hang']:.0f}/{m['env/error']:.0f}/"
+            f"{m['env/died']:.0f}/{m['env/replaced']:.0f}/{m['env/cancelled']:.0f}{ev}"
+        )
+
+    def fit(
+        self, steps: int | None = None, *, on_step: Callable[[int, dict], None] | None = None
+    ) -> dict[str, Any]:
+        """Warm up (if configured), evaluate, train ``steps`` (default ``train.steps``), evaluate;
+        writes ``metrics.jsonl`` (and TensorBoard) under ``logging.dir`` and a plot
+        (``curves.png``); returns a summary."""
+        cfg = self.cfg
+        total = cfg.train.steps if steps is None else steps
+        tracker = Tracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, plot=False)
+        for note in tracker.notes:
+            print(f"[rollkit] {note}")
+        if cfg.warmup.steps:
+            t = time.perf_counter()
+            loss = self.warmup()
+            print(f"[warmup] {cfg.warmup.steps} steps, last loss {loss:.3f} ({time.perf_counter() - t:.0f}s)")
+        self.prestart()
+        before = None
+        if cfg.eval.before:
+            before = self.evaluate()
+            tracker.log(0, before)
+            print(f"[eval] step 0 greedy success rate {before['eval/success_rate']:.3f}", flush=True)
+        t0, start = time.perf_counter(), self.version
+        while self.version - start < total:
+            m = self.step()
+            k = self.version
+            if cfg.eval.every and k % cfg.eval.every == 0 and k - start < total:
+                m.update(self.evaluate())
+            tracker.log(k, m)
+            if on_step is not None:
+                on_step(k, m)
+            if cfg.logging.progress:
+                print(self._progress(k, start + total, m), flush=True)
+        train_time = time.perf_counter() - t0
+        self._drain()
+        after = self.evaluate()
+        tracker.log(self.version, after)
+        plot = plot_history(tracker.history, tracker.dir / "curves.png") if cfg.logging.plot else None
+        tracker.close()
+        steps_run = self.version - start
+        return {
+            "success_before": None if before is None else before["eval/success_rate"],
+            "success_after": after["eval/success_rate"],
+            "steps": steps_run,
+            "train_seconds": train_time,
+            "seconds_per_step": train_time / max(steps_run, 1),
+            "metrics_file": str(tracker.jsonl),
+            "plot": None if plot is None else str(plot),
+            "history": tracker.history,
+        }
+
+    def _drain(self) -> None:
+        """Wait for a background collection (its batch is discarded)."""
+        if self._next is not None:
+            try:
+                self._next.result()
+            finally:
+                self._next = None
+
+    def close(self) -> None:
+        try:
+            self._drain()
+        finally:
+            if self._bg is not None:
+                self._bg.shutdown(wait=True)
+            self.rollout.close()
+
+    def __enter__(self) -> AgenticTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def plot_history(history: list[dict[str, Any]], path: str | Path) -> Path | None:
+    """Training success rate and reward per step, and the greedy evaluation success rate, to a
+    PNG; ``None`` without matplotlib."""
+    try:
+        matplotlib = require("matplotlib")
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    plt = require("matplotlib.pyplot")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    low = -0.15
+    for key, label, marker in (
+        ("success/rate", "train success rate (sampled)", None),
+        ("reward/mean", "train episode reward", None),
+        ("eval/success_rate", "greedy success rate (held-out tasks)", "o"),
+    ):
+        pts = [(r["step"], r[key]) for r in history if r.get(key) is not None and math.isfinite(r[key])]
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
+            low = min(low, min(v for _, v in pts) - 0.05)
+    ax.set_xlabel("step")
+    ax.set_ylim(low, 1.02)
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path

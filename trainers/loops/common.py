@@ -1,0 +1,217 @@
+"""Parts every loop shares: a step timer, prompt encoding, checkpoint files and the fit driver.
+
+:func:`run_fit` is the outer loop of the RLVR trainers (evaluate, ``train.steps`` x ``step()``,
+evaluate every ``eval.every`` steps, checkpoint every ``checkpoint.every``, evaluate, plot): the
+sync and async loops hand it themselves (anything with the :class:`Loop` methods).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from trainers.data import Prompt, encode_prompt
+from trainers.tracking import Tracker
+
+__all__ = [
+    "Codec",
+    "Loop",
+    "Timer",
+    "latest_checkpoint",
+    "loop_state",
+    "read_checkpoint",
+    "restore_loop_state",
+    "run_fit",
+    "write_checkpoint",
+]
+
+
+class Timer:
+    """Wall-clock seconds per named phase of a step (``with timer("rollout"): ...``; ``timer.t``)."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.t[name] += time.perf_counter() - t0
+
+    def metrics(self, t_start: float) -> dict[str, float]:
+        """``time/<phase>`` for every phase and ``time/step`` since ``t_start``."""
+        out = {f"time/{k}": v for k, v in self.t.items()}
+        out["time/step"] = time.perf_counter() - t_start
+        return out
+
+
+class Codec:
+    """Prompt text <-> token ids for one tokenizer (encodings cached per prompt object)."""
+
+    def __init__(self, tokenizer: Any, chat_template: str = "auto") -> None:
+        self.tok, self.chat_template = tokenizer, chat_template
+        self._ids: dict[int, list[int]] = {}
+        self.pad_id: int = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+
+    def encode(self, p: Prompt) -> list[int]:
+        key = id(p)
+        if key not in self._ids:
+            self._ids[key] = encode_prompt(self.tok, p, self.chat_template)
+        return self._ids[key]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def write_checkpoint(state: dict[str, Any], root: str | Path, step: int) -> Path:
+    """Write ``state`` to ``<root>/step_<step>/trainer.pt`` atomically; returns the step directory."""
+    root = Path(root)
+    if not str(root):
+        raise ValueError("checkpoint.dir: empty")
+    path = root / f"step_{step:06d}"
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "trainer.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(path / "trainer.pt")
+    return path
+
+
+def latest_checkpoint(root: str | Path) -> Path:
+    """The newest ``step_<k>`` directory under ``root`` (``checkpoint.resume=auto``)."""
+    found = sorted(Path(root).glob("step_*/trainer.pt"))
+    if not found:
+        raise ValueError(f"checkpoint.resume=auto: no checkpoint under {str(root)!r}")
+    return found[-1].parent
+
+
+def read_checkpoint(path: str | Path, root: str | Path) -> dict[str, Any]:
+    """The state saved at ``path`` (a ``step_<k>`` directory or its ``trainer.pt``; ``"auto"``:
+    the latest under ``root``)."""
+    path = Path(path)
+    if str(path) == "auto":
+        path = latest_checkpoint(root)
+    f = path / "trainer.pt" if path.is_dir() else path
+    if not f.is_file():
+        raise ValueError(f"checkpoint.resume: no trainer.pt at {path}")
+    return torch.load(f, weights_only=False)
+
+
+def loop_state(loop: Any) -> dict[str, Any]:
+    """The state of an RLVR loop: step, learner (weights, optimizer, scheduler), reference weights,
+    prompt order, reward normaliser, length-budget draws and the global RNGs."""
+    ref = getattr(loop.roles.reference, "model", None)
+    return {
+        "global_step": loop.global_step,
+        "train": loop.learner.state_dict(),
+        "reference": None if ref is None else ref.state_dict(),
+        "data": loop.iterator.state_dict(),
+        "update": loop.update.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "lengths": loop.maker.state_dict(),
+    }
+
+
+def restore_loop_state(loop: Any, state: dict[str, Any]) -> None:
+    """Undo :func:`loop_state` (the rollout's weights are the caller's to push)."""
+    loop.learner.load_state_dict(state["train"])
+    ref = getattr(loop.roles.reference, "model", None)
+    if ref is not None and state.get("reference") is not None:
+        ref.load_state_dict(state["reference"])
+    loop.iterator.load_state_dict(state["data"])
+    loop.update.load_state_dict(state["update"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    loop.maker.load_state_dict(state["lengths"])
+    loop.global_step = int(state["global_step"])
+
+
+# --------------------------------------------------------------------------- the fit driver
+
+
+class Loop(Protocol):
+    """What :func:`run_fit` drives."""
+
+    cfg: Any
+    global_step: int
+
+    def step(self) -> dict[str, float]: ...
+
+    def evaluate(self) -> dict[str, float]: ...
+
+    def save_checkpoint(self) -> Path: ...
+
+    def load_checkpoint(self, path: str | Path) -> None: ...
+
+
+def _progress(k: int, total: int, m: dict[str, float]) -> str:
+    ev = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    return (
+        f"[step {k:>4}/{total}] reward {m['reward/mean']:.3f} len {m['response/length_mean']:.1f} "
+        f"kept {m['rollout/kept_groups']} {m['time/step']:.1f}s "
+        f"({m.get('time/rollout', 0):.1f} gen, {m.get('time/train', 0):.1f} train){ev}"
+    )
+
+
+def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = _progress) -> dict[str, Any]:
+    """Resume (``checkpoint.resume``), evaluate, train up to ``steps`` (default ``train.steps``;
+    counted from the current step), evaluate; returns a summary. ``line(step, total, metrics)``
+    is the progress line printed per step (``logging.progress``)."""
+    cfg = loop.cfg
+    resume_step = None
+    if cfg.checkpoint.resume:
+        loop.load_checkpoint(cfg.checkpoint.resume)
+        resume_step = loop.global_step
+    total = cfg.train.steps if steps is None else steps
+    lg = cfg.logging
+    tracker = Tracker(lg.dir, tensorboard=lg.tensorboard, plot=lg.plot, resume_step=resume_step)
+    for note in tracker.notes:
+        print(f"[rollkit] {note}")
+    before = None
+    if cfg.eval.before and loop.global_step == 0:
+        before = loop.evaluate()
+        tracker.log(0, before)
+        print(f"[eval] step 0 held-out accuracy {before.get('eval/accuracy', float('nan')):.3f}")
+    t0, start = time.perf_counter(), loop.global_step
+    while loop.global_step < total:
+        m = loop.step()
+        k = loop.global_step
+        if cfg.eval.every and k % cfg.eval.every == 0 and k < total:
+            m.update(loop.evaluate())
+        tracker.log(k, m)
+        if lg.progress:
+            print(line(k, total, m), flush=True)
+        if cfg.checkpoint.dir and cfg.checkpoint.every and k % cfg.checkpoint.every == 0:
+            loop.save_checkpoint()
+    train_time = time.perf_counter() - t0
+    after = loop.evaluate()
+    tracker.log(loop.global_step, after)
+    plot = tracker.plot()
+    tracker.close()
+    if cfg.checkpoint.dir:
+        loop.save_checkpoint()
+    steps_run = loop.global_step - start
+    tb = tracker.dir / "tb"
+    return {
+        "accuracy_before": None if before is None else before.get("eval/accuracy"),
+        "accuracy_after": after.get("eval/accuracy"),
+        "steps": steps_run,
+        "train_seconds": train_time,
+        "seconds_per_step": train_time / max(steps_run, 1),
+        "metrics_file": str(tracker.jsonl),
+        "tensorboard_dir": None if tracker.tb is None and not tb.exists() else str(tb),
+        "plot": None if plot is None else str(plot),
+        "notes": tracker.notes,
+        "history": tracker.history,
+    }

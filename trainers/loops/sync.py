@@ -1,0 +1,181 @@
+"""The synchronous RLVR trainer: collect, train, push weights, on the roles of :mod:`trainers.roles`.
+
+:meth:`SyncTrainer.step` is the whole RL step; docs/trainer.md walks through it. The parts:
+a collector (:mod:`trainers.loops.collect`: groups with dynamic-sampling refills, per-request
+length budgets, or RollPacker tail batching), :class:`~trainers.loops.update.GroupUpdate`
+(advantages and the one PPO update), the roles (rollout, learner, reference, reward pool; in
+process or on Ray), and the shared evaluation, checkpoint and fit driver.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainers.config import Config, validate
+from trainers.data import Prompt, PromptIterator, build_prompts
+from trainers.engines.base import SamplingParams
+from trainers.loops.collect import GroupCollector, RequestMaker, TailCollector
+from trainers.loops.common import (
+    Codec,
+    Timer,
+    loop_state,
+    read_checkpoint,
+    restore_loop_state,
+    run_fit,
+    write_checkpoint,
+)
+from trainers.loops.update import GroupUpdate
+from trainers.roles import Roles, build_roles
+
+__all__ = ["SyncTrainer", "greedy_accuracy"]
+
+
+def greedy_accuracy(roles: Roles, codec: Codec, prompts: list[Prompt], max_tokens: int) -> dict[str, float]:
+    """Greedy accuracy of the rollout role on ``prompts``, overall (``eval/accuracy``) and per
+    ``data_source`` when there are several, scored by the reward pool."""
+    if not prompts:
+        return {}
+    params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, seed=0)
+    gens = roles.rollout.generate([codec.encode(p) for p in prompts], params)
+    for k, g in enumerate(gens):
+        roles.rewards.submit(k, codec.decode(g.token_ids), prompts[g.prompt_index])
+    rewards = roles.rewards.gather()
+    by: dict[str, list[float]] = defaultdict(list)
+    for k, g in enumerate(gens):
+        by[prompts[g.prompt_index].data_source].append(rewards[k])
+    scores = [s for v in by.values() for s in v]
+    out = {"eval/accuracy": sum(scores) / len(scores)}
+    if len(by) > 1:
+        out.update({f"eval/accuracy/{k}": sum(v) / len(v) for k, v in by.items()})
+    return out
+
+
+class SyncTrainer:
+    """Synchronous RLVR: ``fit()`` = evaluate, ``train.steps`` x :meth:`step`, evaluate, plot.
+
+    Args:
+        cfg: the configuration.
+        rollout, train, tokenizer, model, reward_fn, reference: the roles, as
+            :func:`trainers.roles.build_roles` takes them (default: built from ``cfg``).
+        train_prompts, eval_prompts: default :func:`trainers.data.build_prompts`.
+
+    :meth:`close` (or ``with SyncTrainer(...) as tr``) stops the reward workers and the Ray
+    actors the trainer started.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rollout: Any = None,
+        train: Any = None,
+        tokenizer: Any = None,
+        model: Any = None,
+        train_prompts: list[Prompt] | None = None,
+        eval_prompts: list[Prompt] | None = None,
+        reward_fn: Any = None,
+        reference: Any = None,
+    ) -> None:
+        validate(cfg)
+        self.cfg = cfg
+        self.roles = build_roles(
+            cfg,
+            rollout=rollout,
+            train=train,
+            tokenizer=tokenizer,
+            model=model,
+            reward_fn=reward_fn,
+            reference=reference,
+        )
+        self.rollout, self.train, self.learner = self.roles.rollout, self.roles.train, self.roles.learner
+        self.tok, self.rewards = self.roles.tokenizer, self.roles.rewards
+        if train_prompts is None or eval_prompts is None:
+            tp, ep = build_prompts(cfg)
+            train_prompts = tp if train_prompts is None else train_prompts
+            eval_prompts = ep if eval_prompts is None else eval_prompts
+        self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
+        self.codec = Codec(self.tok, cfg.data.chat_template)
+        self.iterator = PromptIterator(train_prompts, seed=cfg.seed)
+        self.maker = RequestMaker(cfg)
+        self.tail = (
+            TailCollector(cfg, self.rollout, self.rewards, self.codec, train_prompts, self.maker)
+            if cfg.tail_batching.enabled
+            else None
+        )
+        self.collector = self.tail or GroupCollector(
+            cfg, self.rollout, self.rewards, self.codec, self.iterator, self.maker
+        )
+        self.update = GroupUpdate(cfg, self.roles, self.codec.pad_id)
+        self.global_step = 0
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+
+    def step(self) -> dict[str, float]:
+        """One RL step; returns its metrics."""
+        timer, t_start = Timer(), time.perf_counter()
+        # generate n samples per prompt, scoring each as it finishes (dynamic sampling refills)
+        groups, metrics, lengths = self.collector.collect(self.global_step, timer)
+        if groups:
+            # [reference / KL] -> advantages -> the PPO update on every train rank
+            metrics.update(self.update(groups, self.global_step, timer))
+            with timer("weight_sync"):  # wake a colocated rollout, load the new weights into it
+                self.roles.push_weights(version=self.global_step + 1)
+        self.global_step += 1
+        metrics.update(timer.metrics(t_start))
+        metrics["throughput/rollout_tokens_per_s"] = sum(lengths) / max(timer.t["rollout"], 1e-9)
+        metrics.update(self.roles.reward_metrics())
+        return metrics
+
+    def evaluate(self, prompts: list[Prompt] | None = None) -> dict[str, float]:
+        """Greedy accuracy on the held-out prompts, overall and per ``data_source``."""
+        prompts = self.eval_prompts if prompts is None else prompts
+        return greedy_accuracy(self.roles, self.codec, prompts, self.cfg.eval.max_tokens)
+
+    def fit(self, steps: int | None = None) -> dict[str, Any]:
+        """Evaluate, train ``steps`` (default ``train.steps``; counted from the current step up to
+        that total), evaluate; returns a summary (:func:`trainers.loops.common.run_fit`)."""
+        return run_fit(self, steps)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @property
+    def last_tail_batch(self) -> Any:
+        """The latest tail-batching round's batch (prompt ids, round), or None."""
+        return None if self.tail is None else self.tail.last_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**loop_state(self), "tail": None if self.tail is None else self.tail.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_loop_state(self, state)
+        if self.tail is not None and state.get("tail") is not None:  # else the queue starts empty
+            self.tail.load_state_dict(state["tail"])
+
+    def save_checkpoint(self, directory: str | Path | None = None) -> Path:
+        """Write ``<checkpoint.dir>/step_<k>/trainer.pt``; returns the step directory."""
+        return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.global_step)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore a checkpoint (a ``step_<k>`` directory, or ``"auto"``: the latest under
+        ``checkpoint.dir``) and push its weights to the rollout engine."""
+        self.load_state_dict(read_checkpoint(path, self.cfg.checkpoint.dir))
+        self.rollout.update_weights(self.learner.export_weights(), version=self.global_step)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop the reward workers and the Ray actors / placement groups this trainer started
+        (engines passed in are the caller's). Idempotent."""
+        self.roles.close()
+
+    def __enter__(self) -> SyncTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,177 @@
+"""The roles of an RLVR run, built in this process or as Ray actors: rollout, train, reference, reward.
+
+:func:`build_roles` turns a config into a :class:`Roles`: the rollout role (an engine, or a
+group of Ray rollout actors), the train role as a :class:`~trainers.learner.Learner` (in
+process, or the Ray train group), the frozen reference policy when ``algorithm.kl.coef > 0``,
+and the :class:`~trainers.rewards.RewardPool` that scores samples as they finish. The loops
+talk only to these; ``Roles.close()`` stops what was started here. docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainers.config import Config
+from trainers.data import Prompt
+from trainers.engines.build import build_engines
+from trainers.learner import Learner, learner_for
+from trainers.ray import build_ray_roles
+from trainers.rewards import RewardPool, get_verifier
+
+__all__ = ["AnswerReward", "Roles", "build_roles"]
+
+
+@dataclass(frozen=True)
+class AnswerReward:
+    """A ``(text, answer) -> float`` reward function as a ``(text, prompt)`` verifier (picklable if
+    the function is, so it runs in process and Ray reward pools too)."""
+
+    fn: Any
+
+    def __call__(self, completion: str, prompt: Prompt) -> float:
+        return self.fn(completion, prompt.answer)
+
+
+@dataclass
+class Roles:
+    """What a loop trains with (module docstring).
+
+    ``train`` is the train role as given or built (a TrainEngine in process, the Ray train group
+    on Ray); ``learner`` is the same role behind the :class:`~trainers.learner.Learner` interface.
+    ``offload``: the rollout sleeps while the learner trains (Ray, colocated, ``placement.offload``).
+    """
+
+    cfg: Config
+    rollout: Any
+    train: Any
+    learner: Learner
+    tokenizer: Any
+    reference: Any
+    rewards: RewardPool
+    verifier: Any
+    reward_fn: Any = None
+    owned: list[Any] = field(default_factory=list)
+    _reward_busy: float = 0.0
+
+    @property
+    def offload(self) -> bool:
+        p = self.cfg.placement
+        return self.cfg.ray.enabled and p.mode == "colocated" and p.offload
+
+    def sleep_rollout(self) -> None:
+        """Before training: a colocated rollout frees its memory (``placement.sleep_level``)."""
+        if self.offload:
+            self.rollout.sleep(self.cfg.placement.sleep_level)
+
+    def push_weights(self, version: int) -> None:
+        """After training: wake a colocated rollout and load the learner's weights into it."""
+        if self.offload:
+            self.rollout.wake()
+        self.rollout.update_weights(self.learner.export_weights(), version=version)
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The reward pool's share since the previous call: ``time/reward_busy`` (seconds inside
+        the verifier, summed over workers; above the wall-clock ``time/reward`` when workers score
+        in parallel), ``reward/workers`` and ``reward/workers_hwm``; with an inline verifier that
+        counts its own work (the LLM judge) its counters as ``judge/<name>``."""
+        m = self.rewards.metrics()
+        busy, self._reward_busy = m["busy_s"] - self._reward_busy, m["busy_s"]
+        out = {
+            "time/reward_busy": busy,
+            "reward/workers": m["workers"],
+            "reward/workers_hwm": m["workers_hwm"],
+        }
+        counts = getattr(self.verifier, "metrics", None)
+        if self.cfg.reward.backend == "inline" and self.reward_fn is None and callable(counts):
+            out.update({f"judge/{k}": float(v) for k, v in counts().items()})
+        return out
+
+    def close(self) -> None:
+        """Stop the reward workers and the Ray actors / placement groups started here (engines
+        passed in are the caller's). Idempotent."""
+        self.rewards.close()
+        while self.owned:
+            self.owned.pop().close()
+
+
+def _reference(cfg: Config, train: Any, given: Any) -> Any:
+    """The frozen initial policy (``algorithm.kl.coef > 0``): ``given``, or a frozen deep copy of
+    the in-process train engine's model behind the same ``logprobs``."""
+    if cfg.algorithm.kl.coef <= 0:
+        return None
+    if given is not None:
+        return given
+    ref = copy.copy(train)
+    ref.model = copy.deepcopy(train.model).eval().requires_grad_(False)
+    return ref
+
+
+def _reward_pool(cfg: Config, verifier: Any, reward_fn: Any) -> RewardPool:
+    r = cfg.reward
+    return RewardPool(
+        verifier if reward_fn is None else AnswerReward(reward_fn),
+        backend=r.backend,
+        num_workers=r.num_workers,
+        max_workers=r.max_workers or None,
+        idle_s=r.idle_s,
+        timeout_s=r.timeout_s,
+        ray_num_cpus=r.cpus_per_worker,
+    )
+
+
+def build_roles(
+    cfg: Config,
+    *,
+    rollout: Any = None,
+    train: Any = None,
+    tokenizer: Any = None,
+    model: Any = None,
+    reward_fn: Any = None,
+    reference: Any = None,
+) -> Roles:
+    """The roles of ``cfg`` (module docstring).
+
+    Args:
+        rollout, train, tokenizer: given roles (a RolloutEngine, and a TrainEngine or a
+            :class:`~trainers.learner.Learner`); ``rollout`` must start with ``train``'s weights.
+            Default: built from ``cfg`` (``ray.enabled``: Ray actors placed by ``cfg.placement``;
+            else :func:`~trainers.engines.build.build_engines`).
+        model: the initial policy (with ``tokenizer``) for the built roles instead of ``cfg.model``.
+        reward_fn: ``(completion_text, answer) -> float`` instead of the verifier ``reward.verifier``.
+        reference: the frozen reference policy (anything with the TrainEngine ``logprobs`` or a
+            ``batch_logprobs`` method); default: a frozen copy of the initial policy.
+    """
+    owned: list[Any] = []
+    if rollout is None or train is None:
+        if cfg.ray.enabled:
+            ray_roles = build_ray_roles(
+                cfg, model=model, tokenizer=tokenizer, reference=cfg.algorithm.kl.coef > 0
+            )
+            owned.append(ray_roles)
+            rollout, train, tokenizer = ray_roles.rollout, ray_roles.train, ray_roles.tokenizer
+            reference = ray_roles.reference if reference is None else reference
+        else:
+            rollout, train, tokenizer = build_engines(cfg, model=model, tokenizer=tokenizer)
+    if tokenizer is None:
+        raise ValueError("tokenizer: required when the engines are passed in")
+    verifier = get_verifier(cfg.reward.verifier, **cfg.reward.verifier_options())
+    try:
+        rewards = _reward_pool(cfg, verifier, reward_fn)
+    except BaseException:
+        for o in owned:
+            o.close()
+        raise
+    return Roles(
+        cfg=cfg,
+        rollout=rollout,
+        train=train,
+        learner=learner_for(train, cfg),
+        tokenizer=tokenizer,
+        reference=_reference(cfg, train, reference),
+        rewards=rewards,
+        verifier=verifier,
+        reward_fn=reward_fn,
+        owned=owned,
+    )
