@@ -38,7 +38,12 @@ try:
 except ImportError:  # run as a script from a checkout without `pip install -e .`
     sys.path.insert(0, str(HERE.parent))
 
-from trainers.data import Prompt, exact_match_reward  # noqa: E402
+import torch  # noqa: E402
+
+from trainers.data import Prompt  # noqa: E402
+from trainers.engines import HFRolloutEngine, SamplingParams  # noqa: E402
+from trainers.models import char_tokenizer, tiny_qwen2  # noqa: E402
+from trainers.rewards import RewardPool, exact_match_reward, rollout_and_score  # noqa: E402
 
 VERIFY_S = 0.02
 
@@ -84,12 +89,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.n, args.repeats = 16, 4, 3
-
-    import torch
-
-    from trainers.engines import HFRolloutEngine, SamplingParams
-    from trainers.models import char_tokenizer, tiny_qwen2
-    from trainers.rewards import RewardPool, rollout_and_score
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

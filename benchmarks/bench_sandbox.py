@@ -39,8 +39,8 @@ try:
 except ImportError:  # run as a script from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainers.code_rewards import CodeVerifier, load_humaneval
-from trainers.sandbox import bwrap_status, run_python, sandbox_python
+from trainers.rewards.code import CodeVerifier, load_humaneval
+from trainers.rewards.sandbox import bwrap_status, run_python, sandbox_python
 
 
 class LocalAdaptiveTimeout:
@@ -171,7 +171,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.group, args.runs = 3, 4, 8, 15
-    warnings.filterwarnings("ignore", message="trainers.sandbox", category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message="trainers.rewards.sandbox", category=RuntimeWarning)
     w2(args)
     overhead(args)
 

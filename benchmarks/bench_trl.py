@@ -50,8 +50,9 @@ def _recipe():
 
 def held_out_accuracy(model, tok, prompts, chat_template: str, max_tokens: int) -> float:
     """Greedy exact-match accuracy through rollkit's HF engine (the trainer's own evaluation)."""
-    from trainers.data import encode_prompt, exact_match_reward
+    from trainers.data import encode_prompt
     from trainers.engines import HFRolloutEngine, SamplingParams
+    from trainers.rewards import exact_match_reward
 
     engine = HFRolloutEngine(model, tok)
     gens = engine.generate(
@@ -87,8 +88,9 @@ def run_trl(cfg, train_prompts, eval_prompts) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainers.data import exact_match_reward, has_chat_template
+    from trainers.data import has_chat_template
     from trainers.engines.build import build_engines
+    from trainers.rewards import exact_match_reward
 
     _, train_engine, tok = build_engines(cfg)  # the same initial weights as rollkit's run
     model = train_engine.model

@@ -6,22 +6,18 @@ string or a list of ``{"role", "content"}`` messages), the answer in ``answer``,
 ``ground_truth`` or ``reward_model.ground_truth``, and ``data_source``.
 
 :func:`addition_task` generates ``a+b`` questions (seeded, train and held-out splits
-disjoint); :func:`exact_match_reward` parses the last number of a completion and compares it
-with the answer. :class:`PromptIterator` walks a prompt list in seeded shuffled epochs and is
+disjoint). :class:`PromptIterator` walks a prompt list in seeded shuffled epochs and is
 checkpointable (``state_dict``: epoch and position).
 
 >>> train, held_out = addition_task(digits=1, eval_size=10, seed=0)
 >>> len(train) + len(held_out), {(p.text) for p in train} & {p.text for p in held_out}
 (100, set())
->>> exact_match_reward("The answer is 46.", "46"), exact_match_reward("4 6", "46")
-(1.0, 0.0)
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +29,8 @@ __all__ = [
     "addition_task",
     "build_prompts",
     "encode_prompt",
-    "exact_match_reward",
     "has_chat_template",
     "load_prompts",
-    "parse_number",
 ]
 
 
@@ -47,26 +41,6 @@ class Prompt:
     text: Any
     answer: str
     data_source: str = "default"
-
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def parse_number(completion: str) -> str | None:
-    """The last number in ``completion`` (commas between digits removed), or ``None``."""
-    found = _NUMBER.findall(completion.replace(",", ""))
-    return found[-1] if found else None
-
-
-def exact_match_reward(completion: str, answer: str) -> float:
-    """``1.0`` if the last number of ``completion`` equals ``answer`` (as numbers), else ``0.0``."""
-    got = parse_number(completion)
-    if got is None:
-        return 0.0
-    try:
-        return float(float(got) == float(str(answer).replace(",", "")))
-    except ValueError:
-        return float(got.strip() == str(answer).strip())
 
 
 def addition_task(

@@ -1,4 +1,4 @@
-"""trainers.code_rewards: code extraction, test formats, the verifier, HumanEval, timeout policies."""
+"""trainers.rewards.code: code extraction, test formats, the verifier, HumanEval, timeout policies."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainers.code_rewards import (
+from trainers.data import Prompt
+from trainers.rewards import get_verifier
+from trainers.rewards.code import (
     CodeProblem,
     CodeVerifier,
     StdioCase,
@@ -18,9 +20,8 @@ from trainers.code_rewards import (
     outputs_match,
     run_tests,
 )
-from trainers.data import Prompt
 
-pytestmark = pytest.mark.filterwarnings("ignore:trainers.sandbox:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:trainers.rewards.sandbox:RuntimeWarning")
 
 ADD = CodeProblem("add", stdio=(StdioCase("2 3\n", "5\n"), StdioCase("10 -1\n", "9"), StdioCase("0 0", "0")))
 ADD_CODE = "a, b = map(int, input().split())\nprint(a + b)\n"
@@ -267,3 +268,25 @@ def test_bench_sandbox_tiny(capsys):
     assert pol.timeout("p") == 2.0
     pol.observe("p", 5.0, correct=True)
     assert pol.timeout("p") == 3.0
+
+
+def test_verifier_checks_its_options_when_built():
+    with pytest.raises(TypeError, match=r"sandbox options: unknown \['memroy_mb'\]"):
+        CodeVerifier(memroy_mb=128)
+    with pytest.raises(ValueError, match="timeout_s must be a positive finite number"):
+        CodeVerifier(timeout_s=0)
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        CodeVerifier(isolation="docker")
+    with pytest.raises(ValueError, match="problems: a sequence must hold CodeProblems with distinct"):
+        CodeVerifier(problems=[ADD, ADD])
+    with pytest.raises(TypeError, match="problems must be a mapping or a sequence"):
+        CodeVerifier(problems=3)
+
+
+def test_verifier_by_name_with_a_problem_table():
+    """``get_verifier("code", problems=[...])``: prompts whose answer is a problem id."""
+    verify = get_verifier("code", problems=[ADD, SQUARE], timeout_s=5.0, isolation="rlimit")
+    assert isinstance(verify, CodeVerifier) and sorted(verify.problems) == ["add", "square"]
+    assert verify(ADD_CODE, Prompt("add two numbers", "add")) == 1.0
+    assert verify("    return x * x\n", Prompt("square it", "square")) == 1.0
+    assert verify("print(5)", Prompt("add two numbers", "add")) == 0.0

@@ -1,4 +1,4 @@
-"""LLM-as-a-judge rewards (trainers.judge): the strict score parser on well-formed and
+"""LLM-as-a-judge rewards (trainers.rewards.judge): the strict score parser on well-formed and
 malformed judgments (examples and hypothesis properties), and the judge's plumbing through a
 real HFRolloutEngine over the tiny Qwen2 (whose judgments are random characters, so the tests
 assert the contract: every reward is a normalised score or ``invalid_score``, the counts add
@@ -17,7 +17,9 @@ pytest.importorskip("transformers")
 from trainers.config import load_config
 from trainers.data import Prompt
 from trainers.engines import HFRolloutEngine
-from trainers.judge import (
+from trainers.models import char_tokenizer, tiny_qwen2
+from trainers.rewards import RewardPool, get_verifier
+from trainers.rewards.judge import (
     DEFAULT_TEMPLATE,
     INVALID_REASONS,
     JudgeReward,
@@ -25,8 +27,6 @@ from trainers.judge import (
     normalize_score,
     parse_judgment,
 )
-from trainers.models import char_tokenizer, tiny_qwen2
-from trainers.rewards import RewardPool, get_verifier
 
 Q = Prompt("12+34=", "46", "addition")
 

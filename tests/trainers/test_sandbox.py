@@ -1,4 +1,4 @@
-"""trainers.sandbox.run_python: statuses, limits, output caps, isolation layers, bad input.
+"""trainers.rewards.sandbox.run_python: statuses, limits, output caps, isolation layers, bad input.
 
 Every behaviour test runs for the rlimit fallback and for bubblewrap (skipped, with the reason,
 where bwrap cannot run). The hostile-program suite is tests/trainers/test_sandbox_security.py.
@@ -12,10 +12,20 @@ import warnings
 
 import pytest
 
-from trainers import sandbox
-from trainers.sandbox import bwrap_status, fallback_gaps, run_python, sandbox_python
+from trainers.rewards import sandbox
+from trainers.rewards.sandbox import (
+    RUN_OPTIONS,
+    bwrap_status,
+    check_environment,
+    check_options,
+    fallback_gaps,
+    is_secret_name,
+    run_python,
+    sandbox_python,
+    secret_env_names,
+)
 
-pytestmark = pytest.mark.filterwarnings("ignore:trainers.sandbox:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:trainers.rewards.sandbox:RuntimeWarning")
 
 
 def _bwrap_param():
@@ -202,3 +212,60 @@ def test_bad_arguments(kwargs, err, match):
         run_python("print(1)", **kwargs)
     with pytest.raises(TypeError, match="code"):
         run_python(b"print(1)")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ options and the environment check
+
+
+SECRET_NAMES = """WANDB_API_KEY HF_TOKEN HUGGING_FACE_HUB_TOKEN OPENAI_API_KEY AWS_SECRET_ACCESS_KEY
+AWS_SESSION_TOKEN AWS_ACCESS_KEY_ID GITHUB_TOKEN DB_PASSWORD PGPASSWORD my-secret MYAPIKEY GH_AUTHTOKEN
+GOOGLE_APPLICATION_CREDENTIALS SMTP_PASS SSH_PRIVATE_KEY""".split()
+PLAIN_NAMES = """PATH HOME PWD OLDPWD TOKENIZERS_PARALLELISM AWS_CA_BUNDLE AWS_REGION HF_HOME WANDB_PROJECT
+SSH_AUTH_SOCK CUDA_VISIBLE_DEVICES KEYBOARD_LAYOUT PYTHONHASHSEED""".split()
+
+
+@pytest.mark.parametrize("name", SECRET_NAMES)
+def test_secret_names(name):
+    assert is_secret_name(name) and is_secret_name(name.lower())
+
+
+@pytest.mark.parametrize("name", PLAIN_NAMES)
+def test_not_secret_names(name):
+    assert not is_secret_name(name)
+
+
+def test_secret_env_names_sees_os_environ(monkeypatch):
+    monkeypatch.setenv("ROLLKIT_TEST_API_KEY", "x")
+    monkeypatch.setenv("ROLLKIT_TEST_PLAIN", "x")
+    found = dict(secret_env_names())
+    assert found.get("ROLLKIT_TEST_API_KEY") == "os.environ" and "ROLLKIT_TEST_PLAIN" not in found
+    assert all(w == "os.environ" or w.startswith("/proc/") for w in found.values())
+
+
+def test_check_environment(monkeypatch):
+    monkeypatch.setenv("ROLLKIT_TEST_API_KEY", "x")
+    if os.geteuid() == 0:  # a fresh uid per run: nothing to refuse
+        check_environment("rlimit")
+    else:
+        with pytest.raises(RuntimeError, match="refusing the rlimit fallback"):
+            check_environment("rlimit")
+    check_environment("rlimit", allow_env_secrets=True)
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        check_environment("docker")
+    with pytest.raises(TypeError, match="allow_env_secrets must be a bool"):
+        check_environment("rlimit", allow_env_secrets="yes")
+
+
+def test_check_options():
+    check_options(memory_mb=256, isolation="rlimit", allow_env_secrets=True, python=None)
+    assert set(RUN_OPTIONS) < set(run_python.__kwdefaults__)
+    with pytest.raises(TypeError, match=r"sandbox options: unknown \['memroy_mb', 'stdin'\]"):
+        check_options(memroy_mb=256, stdin="x")
+    with pytest.raises(ValueError, match="max_procs must be a positive finite number"):
+        check_options(max_procs=0)
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        check_options(isolation="docker")
+    with pytest.raises(TypeError, match="allow_env_secrets must be a bool"):
+        check_options(allow_env_secrets=1)
+    with pytest.raises(TypeError, match=r"python must be a path \(str\) or None"):
+        check_options(python=3)

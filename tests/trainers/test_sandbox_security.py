@@ -1,7 +1,7 @@
-"""Hostile programs against trainers.sandbox: each must be *contained*, with and without bubblewrap.
+"""Hostile programs against trainers.rewards.sandbox: each must be *contained*, with and without bubblewrap.
 
 Every program is submitted as a completion to a tiny stdin/stdout problem ("print 2n") through
-:class:`trainers.code_rewards.CodeVerifier`, inside a separate *trainer* process (a driver
+:class:`trainers.rewards.code.CodeVerifier`, inside a separate *trainer* process (a driver
 script), and every test checks every containment property, whatever the program attacks:
 
 * the trainer process is alive and exits normally, and the score is 0;
@@ -15,7 +15,7 @@ script), and every test checks every containment property, whatever the program 
 
 The bubblewrap runs must contain all of them (skipped with the reason when bwrap cannot run
 here). The rlimit fallback is expected to fail exactly the threats that
-:func:`trainers.sandbox.fallback_gaps` lists: those cases are ``xfail(strict=True)`` with the
+:func:`trainers.rewards.sandbox.fallback_gaps` lists: those cases are ``xfail(strict=True)`` with the
 gap as the reason, so the suite fails if the fallback starts (or stops) containing them.
 
 The fork bomb is bounded whatever happens: ``max_procs=8`` (each run gets a fresh unprivileged
@@ -39,11 +39,29 @@ from pathlib import Path
 
 import pytest
 
-from trainers.sandbox import bwrap_status, fallback_gaps
+from trainers.rewards.sandbox import bwrap_status, fallback_gaps
 
 ROOT = Path(__file__).resolve().parents[2]
+SANDBOX_PY = ROOT / "trainers" / "rewards" / "sandbox.py"
 TIMEOUT_S = 1.0
 LIMITS = dict(memory_mb=256, max_procs=8, max_file_mb=1, max_open_files=32, max_output_bytes=65536, work_mb=8)
+
+# Prints the start-up environment of the program and of each of its ancestors, up to init.
+ENV_WALK = """\
+import os
+def environ(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"denied ({e.strerror})"
+print("environ self", environ("self"))
+pid = os.getpid()
+while pid > 1:
+    with open(f"/proc/{pid}/stat") as f:
+        pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    print("environ", pid, environ(pid))
+"""
 
 # Substituted per test: __MARKER__ __SECRET_PATH__ __PROJECT_FILE__ __OUTSIDE__ __PORT__ __PROJECT__
 # and, by the driver, __TRAINER_PID__.
@@ -129,13 +147,14 @@ HOSTILE = {
         "    os._exit(0)\n"
         "print('daemon started')\n"
     ),
-    "env_leak": "import os\nprint(dict(os.environ))\n",
+    # its own environment, then /proc/<pid>/environ of itself and of every ancestor
+    "env_leak": "import os\nprint(dict(os.environ))\n" + ENV_WALK,
 }
 
 DRIVER = """\
 import dataclasses, json, os, sys
 sys.path.insert(0, sys.argv[1])
-from trainers.code_rewards import CodeProblem, CodeVerifier, StdioCase
+from trainers.rewards.code import CodeProblem, CodeVerifier, StdioCase
 spec = json.loads(sys.argv[2])
 code = spec["code"].replace("__TRAINER_PID__", str(os.getpid()))
 problem = CodeProblem("double", stdio=(StdioCase("21\\n", "42"),))
@@ -216,7 +235,7 @@ def _substitute(code: str, w: dict) -> str:
     subs = {
         "__MARKER__": w["marker"],
         "__SECRET_PATH__": str(w["secret_path"]),
-        "__PROJECT_FILE__": str(ROOT / "trainers" / "sandbox.py"),
+        "__PROJECT_FILE__": str(SANDBOX_PY),
         "__OUTSIDE__": str(w["outside"]),
         "__PROJECT__": str(ROOT),
         "__PORT__": str(w["listener"].getsockname()[1]),
@@ -228,7 +247,10 @@ def _substitute(code: str, w: dict) -> str:
 
 def _contained(name: str, isolation: str, w: dict) -> None:
     code = _substitute(HOSTILE[name], w)
-    spec = {"code": code, "timeout_s": TIMEOUT_S, "isolation": isolation, "limits": LIMITS}
+    # the non-root fallback refuses to run beside the environment secret (test_fallback_env_*
+    # below); here every other threat is measured, so that refusal is waived
+    limits = {**LIMITS, "allow_env_secrets": isolation == "rlimit"}
+    spec = {"code": code, "timeout_s": TIMEOUT_S, "isolation": isolation, "limits": limits}
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ROLLKIT_TEST_SECRET": w["env_secret"]}
     drv = subprocess.run(
         [sys.executable, "-c", DRIVER, str(ROOT), json.dumps(spec)],
@@ -251,7 +273,7 @@ def _contained(name: str, isolation: str, w: dict) -> None:
     assert all(len(r["stdout"]) + len(r["stderr"]) <= LIMITS["max_output_bytes"] for r in runs)
     assert all(r["wall_s"] < TIMEOUT_S + 2.0 for r in runs), [r["wall_s"] for r in runs]
     # 3. nothing read from outside
-    project_line = (ROOT / "trainers" / "sandbox.py").read_text().splitlines()[0]
+    project_line = SANDBOX_PY.read_text().splitlines()[0]
     for leak in (w["secret"], w["env_secret"], project_line, "root:x:0:0"):
         assert leak not in output, f"leaked {leak[:30]!r} to the program"
     # 4. nothing written outside
@@ -321,3 +343,85 @@ def test_gaps_name_real_threats():
     assert set(fallback_gaps(as_root=True)) <= set(HOSTILE)
     assert set(fallback_gaps(as_root=False)) <= set(HOSTILE)
     assert {"read_outside", "write_outside", "network"} <= set(fallback_gaps(as_root=True))
+
+
+# ------------------------------------------------------------------ the trainer's environment
+
+# A trainer that needs nothing but the standard library: it loads the sandbox module from its
+# file, so it also runs under the system python as an unprivileged uid (the non-root fallback).
+ENV_DRIVER = """\
+import importlib.util, json, os, sys, warnings
+warnings.simplefilter("ignore")
+spec = importlib.util.spec_from_file_location("rollkit_sandbox", sys.argv[1])
+sbx = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = sbx
+spec.loader.exec_module(sbx)
+mode = sys.argv[2]
+if mode == "popped":  # gone from os.environ, still in /proc/<pid>/environ
+    os.environ.pop("ROLLKIT_LEAK_SECRET")
+try:
+    r = sbx.run_python(sys.argv[3], isolation="rlimit", timeout_s=5, allow_env_secrets=mode == "allowed")
+    print("RAN" + json.dumps({"pid": os.getpid(), "status": r.status, "stdout": r.stdout}))
+except RuntimeError as e:
+    print("REFUSED " + str(e))
+"""
+
+
+def _env_trainer(mode: str, *, as_nobody: bool) -> tuple[str, str]:
+    """Run ENV_WALK in the rlimit fallback from a trainer whose environment holds a marker
+    secret; ``as_nobody``: the trainer runs as uid 65534 under the system python (the non-root
+    fallback, reachable here when the tests run as root). Returns (trainer stdout, marker)."""
+    marker = "LEAKMARK-" + uuid.uuid4().hex
+    python, ids = sys.executable, {}
+    if as_nobody:
+        python = "/usr/bin/python3"
+        if not os.access(python, os.X_OK):
+            pytest.skip("no system /usr/bin/python3 to run an unprivileged trainer")
+        ids = {"user": 65534, "group": 65534, "extra_groups": []}
+    env = {"PATH": "/usr/bin:/bin", "ROLLKIT_LEAK_SECRET": marker}
+    drv = subprocess.run(
+        [python, "-I", "-c", ENV_DRIVER, str(SANDBOX_PY), mode, ENV_WALK],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd="/tmp",
+        start_new_session=True,
+        **ids,
+    )
+    assert drv.returncode == 0, drv.stderr[-2000:]
+    return drv.stdout, marker
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fresh-uid fallback needs root")
+def test_root_fallback_env_walk_finds_no_trainer_secret():
+    """As root every run gets a fresh uid: the program reads neither its parent's (the
+    trainer's) nor any ancestor's /proc/<pid>/environ, so the trainer's secret stays hidden."""
+    out, marker = _env_trainer("plain", as_nobody=False)
+    assert out.startswith("RAN"), out
+    res = json.loads(out[len("RAN") :])
+    assert res["status"] == "ok" and marker not in res["stdout"]
+    # the walk did reach the trainer, and was denied there
+    assert f"environ {res['pid']} denied" in res["stdout"], res["stdout"][-2000:]
+
+
+def test_non_root_fallback_refuses_beside_a_secret():
+    """Run as a non-root user, the fallback's program shares the trainer's uid and could read
+    /proc/<ppid>/environ: it is not started while the environment holds a secret-like name,
+    also one already removed from os.environ (still in the start-up environment)."""
+    as_nobody = os.geteuid() == 0
+    for mode, where in (("plain", "os.environ"), ("popped", "/proc/")):
+        out, marker = _env_trainer(mode, as_nobody=as_nobody)
+        assert out.startswith("REFUSED "), out
+        assert "'ROLLKIT_LEAK_SECRET'" in out and where in out and "allow_env_secrets=True" in out
+        assert marker not in out and len(out.strip().splitlines()) == 1
+
+
+def test_non_root_fallback_env_gap_is_real():
+    """With ``allow_env_secrets=True`` the non-root fallback does leak the trainer's environment
+    through /proc/<ppid>/environ: the gap that fallback_gaps(as_root=False) declares."""
+    out, marker = _env_trainer("allowed", as_nobody=os.geteuid() == 0)
+    assert out.startswith("RAN"), out
+    res = json.loads(out[len("RAN") :])
+    assert marker in res["stdout"] and f"environ {res['pid']} " in res["stdout"]
+    assert "env_leak" in fallback_gaps(as_root=False) and "env_leak" not in fallback_gaps(as_root=True)

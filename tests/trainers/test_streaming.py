@@ -15,11 +15,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
-from trainers.data import Prompt, exact_match_reward
+from trainers.data import Prompt
 from trainers.engines import HFRolloutEngine, SamplingParams
 from trainers.engines.base import iter_generations
 from trainers.models import char_tokenizer, tiny_qwen2
-from trainers.rewards import RewardPool, rollout_and_score
+from trainers.rewards import RewardPool, exact_match_reward, rollout_and_score
 
 TEXTS = ["12+34=", "7+5=", "Compute 3*9. "]
 

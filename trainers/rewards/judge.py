@@ -1,38 +1,13 @@
 """LLM-as-a-judge rewards: a judge model, asked through a rollout engine, grades each response.
 
-Single-answer grading with a reference answer, as in Zheng et al. 2023, "Judging LLM-as-a-Judge
-with MT-Bench and Chatbot Arena" (arXiv:2306.05685): the judge reads the question, the
-reference answer and the response, and ends its judgment with a score on a fixed scale. The
-reward is that score normalised to ``[0, 1]``::
-
-    judge prompt = template.format(question=..., reference=..., response=..., min_score=lo, max_score=hi)
-    judgment     = engine.generate(judge prompt, greedy, max_tokens)          (temperature 0)
-    reward       = (s - lo) / (hi - lo)      if parse_judgment(judgment) gives the score s
-                 = invalid_score             otherwise (counted by reason)
-
-What separates it from a rule-based verifier: the score is only as good as its format, so the
-parser (:func:`parse_judgment`) is **strict** and a judgment it rejects never becomes a
-reward by accident (a judge that rambles, hedges with two scores or writes ``Score: 7/10``
-scores ``invalid_score`` and is counted). Rules, checked in this order:
-
-1. ``empty``: nothing but whitespace.
-2. ``no_score`` / ``multiple_scores``: the judgment must contain exactly one score marker,
-   the word ``score`` (ASCII letters in any case, as a whole word) followed by optional
-   whitespace and a colon.
-   Text before it (the judge's explanation) is allowed.
-3. ``bad_number``: the marker must be followed, on the same line, by optional spaces or tabs
-   and a decimal number: an optional sign, ASCII digits, an optional ``.`` and digits (``7``,
-   ``7.5``, ``-1``, ``007``; not ``seven``, ``[[7]]``, ``.5`` or a number on the next line).
-4. ``trailing_text``: nothing but whitespace may follow the number (``Score: 7.``,
-   ``Score: 7/10`` and ``Score: 7 because...`` are rejected).
-5. ``out_of_range``: the number must lie in ``[min_score, max_score]``.
-6. ``truncated`` (:class:`JudgeReward` only): a judgment that reached ``max_tokens`` did not
-   finish (``Score: 1`` may be the start of ``Score: 10``) and is rejected whatever it says.
-
-:class:`JudgeReward` is a verifier ``(completion, prompt) -> float`` for a
-:class:`~trainers.rewards.RewardPool` (one judge call per sample) and has
-:meth:`JudgeReward.score_batch`, which sends every judge prompt of a batch in **one**
-``generate`` call (what a trainer scoring a whole rollout should use).
+Single-answer grading with a reference answer (Zheng et al. 2023, "Judging LLM-as-a-Judge with
+MT-Bench and Chatbot Arena", arXiv:2306.05685): the judge reads the question, the reference
+answer and the response and ends with ``Score: N``; the reward is ``(N - min_score) /
+(max_score - min_score)``, or ``invalid_score`` when :func:`parse_judgment` rejects the
+judgment. The parser is strict (one ``score:`` marker, a plain decimal number on its line,
+nothing after it, in range, not truncated), so a malformed judgment never becomes a reward by
+accident; each rejection is counted by reason (:data:`INVALID_REASONS`). The rules, the
+template fields and measurements: ``docs/rewards-workers.md`` (LLM-as-a-judge rewards).
 
 >>> parse_judgment("The response matches the reference.\\nScore: 8")
 Judgment(score=8.0, reason='ok')
@@ -52,6 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainers.data import Prompt, has_chat_template
+from trainers.engines.base import SamplingParams
+from trainers.engines.hf_rollout import HFRolloutEngine
+from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
 
 __all__ = [
     "DEFAULT_TEMPLATE",
@@ -78,7 +56,11 @@ DEFAULT_TEMPLATE = (
 #: The fields a template may use (``response`` is required).
 TEMPLATE_FIELDS = ("question", "reference", "response", "min_score", "max_score")
 
-#: Why a judgment was rejected, in the order the rules are checked (module docstring).
+#: Why a judgment was rejected, in the order the rules are checked: ``empty`` (only
+#: whitespace), ``no_score`` / ``multiple_scores`` (not exactly one marker: the ASCII word
+#: ``score``, any case, then a colon), ``bad_number`` (no plain decimal number on the marker's
+#: line), ``trailing_text`` (anything but whitespace after it), ``out_of_range`` and
+#: ``truncated`` (the judgment reached ``max_tokens``; :class:`JudgeReward` only).
 INVALID_REASONS = (
     "empty",
     "no_score",
@@ -115,8 +97,9 @@ def _check_range(min_score: float, max_score: float) -> None:
 
 
 def parse_judgment(text: str, *, min_score: float = 0, max_score: float = 10) -> Judgment:
-    """The score of a judgment that ends with ``Score: N``, under the strict rules of the module
-    docstring (one marker, a plain decimal number on its line, nothing after it, in range).
+    """The score of a judgment that ends with ``Score: N``, under the strict rules of
+    :data:`INVALID_REASONS` (one marker, a plain decimal number on its line, nothing after it,
+    in range).
 
     >>> parse_judgment("Correct.\\nScore: 10").score, parse_judgment("score:7.5  \\n").score
     (10.0, 7.5)
@@ -175,7 +158,7 @@ def _fmt(x: float) -> str:
 
 
 class JudgeReward:
-    """A judge model's grade of ``(completion, prompt)``, normalised to ``[0, 1]`` (module docstring).
+    """A judge model's grade of ``(completion, prompt)``, normalised to ``[0, 1]``.
 
     Args:
         engine: a rollout engine (anything with ``generate(token_prompts, SamplingParams)``
@@ -278,9 +261,6 @@ class JudgeReward:
 
     def _ensure_engine(self) -> tuple[Any, Any]:
         if self.engine is None:
-            from trainers.engines.hf_rollout import HFRolloutEngine
-            from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
-
             if self.model == "tiny":
                 tok = char_tokenizer()
                 net = tiny_qwen2(tok, seed=0)
@@ -330,8 +310,6 @@ class JudgeReward:
     def score_batch(self, completions: Sequence[str], prompts: Sequence[Prompt]) -> list[float]:
         """Rewards of ``completions[i]`` for ``prompts[i]``; every judge prompt goes to the engine
         in one ``generate`` call (greedy, ``max_tokens``)."""
-        from trainers.engines.base import SamplingParams
-
         if len(completions) != len(prompts):
             raise ValueError(f"prompts: {len(prompts)} prompts for {len(completions)} completions")
         for c in completions:

@@ -1,42 +1,15 @@
 """Run untrusted Python (generated code) in a sandbox: bubblewrap namespaces + rlimits, or rlimits alone.
 
-:func:`run_python` runs one program with a wall-clock timeout and resource limits and returns a
-:class:`RunResult`. Two isolation layers:
-
-``"bwrap"`` (bubblewrap, https://github.com/containers/bubblewrap)
-    New user, PID, network, mount, IPC, UTS and cgroup namespaces (``--unshare-all``): no network
-    (an empty network namespace), only the system directories Python needs mounted read-only
-    (``/usr``, ``/lib*``, ``/bin`` and the interpreter's prefix), a fresh size-capped tmpfs as the
-    work directory and as ``/tmp``, a minimal ``/proc`` and ``/dev``, an empty environment
-    (``--clearenv``), every capability dropped, ``--new-session`` (no terminal injection) and
-    ``--die-with-parent``. The program is process 2 of its own PID namespace, so when it exits
-    (or the run is killed) the kernel kills everything it started, daemons included.
-``"rlimit"`` (the fallback where bubblewrap cannot run)
-    A new session / process group, a fresh temp directory as the working directory, an empty
-    environment and the same rlimits. It cannot stop filesystem reads, writes to world-writable
-    directories, or the network; :func:`fallback_gaps` lists what it cannot enforce, each
-    result carries the list in ``notes``, and the first fallback run of a process warns loudly.
-
-Both layers set, inside the sandbox and before the program runs (a tiny bootstrap that calls
-``resource.setrlimit`` with soft = hard, so the program cannot raise them; for ``RLIMIT_CPU``
-hard = soft + 1 s, so ``SIGXCPU`` names the cause before ``SIGKILL``): ``RLIMIT_CPU``
-(``cpu_s``), ``RLIMIT_AS`` (``memory_mb``, per process), ``RLIMIT_NPROC`` (``max_procs``),
-``RLIMIT_FSIZE`` (``max_file_mb``), ``RLIMIT_NOFILE`` (``max_open_files``) and ``RLIMIT_CORE``
-(0). No ``preexec_fn`` is used (it is unsafe in a threaded trainer): the session, uid and gid
-changes are the ones :class:`subprocess.Popen` performs in C.
-
-``RLIMIT_NPROC`` counts processes per *real uid*, and the kernel does not enforce it for root
-(nor for a user namespace whose uid maps to root). So when the trainer runs as root, every run
-uses a fresh unprivileged uid/gid (random in ``[2_000_000, 3_000_000)``, no passwd entry
-needed): the fork-bomb limit holds, the program cannot signal the trainer or read its
-``0600`` files, and after the run every process of that uid is killed (which also catches a
-daemon that escaped the process group in the fallback). Without root, bubblewrap's user
-namespace gives the same per-sandbox process count; the fallback then shares the trainer's
-uid (see :func:`fallback_gaps`).
-
-Output is read incrementally and capped (``max_output_bytes`` for stdout and stderr together):
-a program that prints without end is killed with status ``"output_limit"``. On timeout the
-process group is killed (and with bubblewrap the whole PID namespace).
+:func:`run_python` runs one program with a wall-clock timeout, resource limits (``RLIMIT_CPU``,
+``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, no core dumps; set inside
+the sandbox with soft = hard, no ``preexec_fn``) and capped output, and returns a
+:class:`RunResult`. Two isolation layers: ``"bwrap"`` (bubblewrap: new user, PID, network,
+mount, IPC, UTS and cgroup namespaces, read-only system directories, a size-capped tmpfs work
+directory, an empty environment, every capability dropped) and the ``"rlimit"`` fallback where
+bubblewrap cannot run (a new session, a temp directory, an empty environment and the same
+rlimits), whose gaps :func:`fallback_gaps` lists; run as a non-root user it also refuses to
+start while the trainer's environment holds secrets (:func:`secret_env_names`). As root, every
+run gets a fresh unprivileged uid. Threat model, layers, measurements: ``docs/sandbox.md``.
 
 >>> r = run_python("print(sum(map(int, input().split())))", stdin="2 3", timeout_s=5)
 >>> r.status, r.stdout
@@ -48,6 +21,7 @@ process group is killed (and with bubblewrap the whole PID namespace).
 from __future__ import annotations
 
 import errno
+import inspect
 import math
 import os
 import random
@@ -62,16 +36,24 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ISOLATIONS",
+    "RUN_OPTIONS",
+    "SECRET_PARTS",
+    "SECRET_WORDS",
     "RunResult",
     "bwrap_status",
+    "check_environment",
+    "check_options",
     "fallback_gaps",
+    "is_secret_name",
     "run_python",
     "sandbox_python",
+    "secret_env_names",
 ]
 
 ISOLATIONS = ("auto", "bwrap", "rlimit")
@@ -262,7 +244,106 @@ def fallback_gaps(*, as_root: bool | None = None) -> dict[str, str]:
             "same uid as the trainer: a program that calls setsid() and clears its environment "
             "leaves the process group and survives the run"
         )
+        gaps["env_leak"] = (
+            "same uid as the trainer: the program reads /proc/<pid>/environ of the trainer, its "
+            "ancestors and every other process of that uid; runs are refused while the "
+            "environment holds a secret-like name (secret_env_names) unless allow_env_secrets=True"
+        )
     return gaps
+
+
+# ---------------------------------------------------------------------------------------------
+# secrets in the environment (the non-root fallback)
+
+#: words of an environment variable's name (split at ``_``, ``-``, ``.``) that mark it a secret
+SECRET_WORDS = frozenset(
+    {"KEY", "KEYS", "APIKEY", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASS", "PASSWORD", "PASSWORDS"}
+    | {"PASSWD", "CREDENTIAL", "CREDENTIALS", "PASSPHRASE", "COOKIE", "SESSION"}
+)
+#: substrings of a name that mark it a secret wherever they occur
+SECRET_PARTS = ("SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "APIKEY", "PRIVATE_KEY", "ACCESS_KEY")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether an environment variable's name suggests a secret value: one of its words (split
+    at ``_``, ``-``, ``.``) is in :data:`SECRET_WORDS` or ends in ``TOKEN``, or the name contains
+    one of :data:`SECRET_PARTS` (case-insensitive). Paths and settings that merely mention a
+    service (``AWS_CA_BUNDLE``, ``TOKENIZERS_PARALLELISM``) are not secrets.
+
+    >>> [is_secret_name(n) for n in ("WANDB_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "GH_AUTHTOKEN")]
+    [True, True, True, True]
+    >>> [is_secret_name(n) for n in ("TOKENIZERS_PARALLELISM", "AWS_CA_BUNDLE", "HF_HOME", "PWD")]
+    [False, False, False, False]
+    """
+    up = name.upper()
+    if any(part in up for part in SECRET_PARTS):
+        return True
+    words = [w for w in up.replace("-", "_").replace(".", "_").split("_") if w]
+    return any(w in SECRET_WORDS or w.endswith("TOKEN") for w in words)
+
+
+def _environ_names(pid: int | str) -> list[str] | None:
+    """The variable names in ``/proc/<pid>/environ`` (its start-up environment); None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return [e.split(b"=", 1)[0].decode("utf-8", "replace") for e in raw.split(b"\0") if b"=" in e]
+
+
+def _parent_of(pid: int | str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def secret_env_names() -> list[tuple[str, str]]:
+    """``[(name, where)]``: the secret-like variables (:func:`is_secret_name`) that a program
+    running as this process's uid could read: this process's ``os.environ``, its start-up
+    environment (``/proc/self/environ``: a name deleted from ``os.environ`` is still there) and
+    that of each ancestor whose ``/proc/<pid>/environ`` this uid can read. ``where`` is
+    ``"os.environ"`` or ``"/proc/<pid>/environ"``."""
+    found: list[tuple[str, str]] = [(n, "os.environ") for n in os.environ if is_secret_name(n)]
+    seen = {n for n, _ in found}
+    pid = os.getpid()
+    for _ in range(64):  # the ancestors, up to init
+        names = _environ_names(pid)
+        for n in names or ():
+            if n not in seen and is_secret_name(n):
+                seen.add(n)
+                found.append((n, f"/proc/{pid}/environ"))
+        pid = _parent_of(pid)
+        if pid <= 1:
+            break
+    return found
+
+
+def check_environment(isolation: str = "auto", *, allow_env_secrets: bool = False) -> None:
+    """Raise ``RuntimeError`` (one line, naming the variable) if a run with ``isolation`` would
+    expose a secret of the trainer's environment: the ``"rlimit"`` fallback run as a non-root
+    user (the program shares the trainer's uid and reads ``/proc/<pid>/environ``; see
+    :func:`fallback_gaps`) while :func:`secret_env_names` finds one. A no-op with bubblewrap, as
+    root (each run gets a fresh uid, which cannot read the trainer's environment) or with
+    ``allow_env_secrets=True``. :func:`run_python` calls it before every run;
+    :class:`~trainers.rewards.code.CodeVerifier` when it is built, so a trainer fails at start."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+    if not isinstance(allow_env_secrets, bool):
+        raise TypeError(f"allow_env_secrets must be a bool, got {type(allow_env_secrets).__name__}")
+    if allow_env_secrets or os.geteuid() == 0 or _resolve_isolation(isolation) != "rlimit":
+        return
+    found = secret_env_names()
+    if found:
+        name, where = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise RuntimeError(
+            f"trainers.rewards.sandbox: refusing the rlimit fallback (no bubblewrap, not root): the "
+            f"program would share the trainer's uid and could read the secret-like variable {name!r} "
+            f"from {where}{more}; unset it, install bubblewrap, run as root, or pass allow_env_secrets=True"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,10 +358,11 @@ def _warn_fallback(gaps: dict[str, str]) -> None:
     if _WARNED:
         return
     _WARNED = True
-    msg = "trainers.sandbox: bubblewrap is not used; the rlimit fallback CANNOT enforce:\n" + "\n".join(
-        f"  - {k}: {v}" for k, v in gaps.items()
+    msg = (
+        "trainers.rewards.sandbox: bubblewrap is not used; the rlimit fallback CANNOT enforce:\n"
+        + "\n".join(f"  - {k}: {v}" for k, v in gaps.items())
     )
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
     print("WARNING: " + msg, file=sys.stderr)
 
 
@@ -365,6 +447,162 @@ def _signame(n: int) -> str:
         return f"signal {n}"
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """The validated limits of one run (:func:`run_python`'s arguments)."""
+
+    timeout_s: float
+    cpu_s: float
+    memory_mb: int
+    max_procs: int
+    max_file_mb: int
+    max_open_files: int
+    max_output_bytes: int
+    work_mb: int
+
+    def boot_args(self, run_id: str, count_uid_tasks: bool) -> list[str]:
+        """The bootstrap's argv (:data:`_BOOT`)."""
+        return [
+            run_id,
+            str(math.ceil(self.cpu_s)),
+            str(int(self.memory_mb) * 1024 * 1024),
+            str(int(self.max_procs)),
+            str(int(self.max_file_mb) * 1024 * 1024),
+            str(int(self.max_open_files)),
+            "1" if count_uid_tasks else "0",
+        ]
+
+
+def _validated(code: str, stdin: str, isolation: str, limits: dict[str, float | None]) -> _Limits:
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    if not isinstance(stdin, str):
+        raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+    _check_limits(timeout_s=limits["timeout_s"])
+    if limits["cpu_s"] is None:
+        limits = {**limits, "cpu_s": math.ceil(limits["timeout_s"])}
+    _check_limits(**{k: v for k, v in limits.items() if k != "timeout_s"})
+    return _Limits(**limits)
+
+
+#: the keyword options of :func:`run_python` that a caller may fix in advance (all but the
+#: program and its stdin), e.g. :class:`~trainers.rewards.code.CodeVerifier`'s ``**sandbox``
+RUN_OPTIONS = (
+    "timeout_s",
+    "cpu_s",
+    "memory_mb",
+    "max_procs",
+    "max_file_mb",
+    "max_open_files",
+    "max_output_bytes",
+    "work_mb",
+    "isolation",
+    "python",
+    "allow_env_secrets",
+)
+
+
+def check_options(**options: Any) -> None:
+    """Check :func:`run_python` options (:data:`RUN_OPTIONS`) without running anything: a
+    one-line ``TypeError`` naming an unknown option, else the error ``run_python`` would raise
+    for a bad value.
+
+    >>> check_options(memory_mb=256, isolation="rlimit")
+    >>> check_options(memroy_mb=256)
+    Traceback (most recent call last):
+    ...
+    TypeError: sandbox options: unknown ['memroy_mb']; known: timeout_s, cpu_s, memory_mb, ...
+    """
+    unknown = sorted(set(options) - set(RUN_OPTIONS))
+    if unknown:
+        raise TypeError(f"sandbox options: unknown {unknown}; known: {', '.join(RUN_OPTIONS)}")
+    params = inspect.signature(run_python).parameters
+    args = {k: params[k].default for k in RUN_OPTIONS} | options
+    _validated("", "", args["isolation"], {f.name: args[f.name] for f in fields(_Limits)})
+    if args["python"] is not None and not isinstance(args["python"], str):
+        raise TypeError(f"python must be a path (str) or None, got {type(args['python']).__name__}")
+    if not isinstance(args["allow_env_secrets"], bool):
+        raise TypeError(f"allow_env_secrets must be a bool, got {type(args['allow_env_secrets']).__name__}")
+
+
+def _resolve_isolation(isolation: str) -> str:
+    """``"bwrap"`` or ``"rlimit"``: what a run with ``isolation`` uses here."""
+    if isolation == "rlimit":
+        return "rlimit"
+    if getattr(_TLS, "probing", False):  # bwrap_status's own probe run
+        return "bwrap"
+    ok, why = bwrap_status()
+    if not ok and isolation == "bwrap":
+        raise RuntimeError(f"isolation='bwrap' but bubblewrap cannot run here: {why}")
+    return "bwrap" if ok else "rlimit"
+
+
+def _fallback_notes(as_root: bool) -> list[str]:
+    gaps = fallback_gaps(as_root=as_root)
+    _warn_fallback(gaps)
+    notes = [f"not enforced: {k}: {v}" for k, v in gaps.items()]
+    notes.append("not enforced: memory is per process (RLIMIT_AS), disk only per file (RLIMIT_FSIZE)")
+    if not as_root:
+        notes.append(
+            "approximate: max_procs is added to the tasks the trainer's uid has at the start "
+            "(RLIMIT_NPROC counts per uid), so other processes of that uid shift the bound"
+        )
+    return notes
+
+
+def _spawn(
+    code: str, use: str, lim: _Limits, python: str, uid: int | None, run_id: str
+) -> tuple[subprocess.Popen, str | None]:
+    """Start the sandboxed program; returns the process and the host temp directory to remove
+    afterwards (fallback only)."""
+    argv_py = [python, "-I", "-S", "-c", _BOOT, *lim.boot_args(run_id, use == "rlimit" and uid is None)]
+    ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    if use == "bwrap":
+        memfd = os.memfd_create("solution.py", 0)
+        try:
+            with open(memfd, "wb", closefd=False) as f:
+                f.write(code.encode())
+            os.lseek(memfd, 0, os.SEEK_SET)
+            argv = [shutil.which("bwrap") or "bwrap", *_bwrap_args(python, int(lim.work_mb))]
+            argv += ["--file", str(memfd), f"{WORKDIR}/solution.py", *argv_py]
+            env = {"PATH": "/usr/bin:/bin"}
+            proc = subprocess.Popen(
+                argv, cwd="/", env=env, pass_fds=(memfd,), start_new_session=True, **pipes, **ids
+            )
+        finally:
+            os.close(memfd)
+        return proc, None
+    tmp = tempfile.mkdtemp(prefix="rollkit-sbx-")
+    try:
+        Path(tmp, "solution.py").write_text(code, encoding="utf-8")
+        if uid is not None:
+            os.chown(tmp, uid, uid)
+            os.chown(Path(tmp, "solution.py"), uid, uid)
+        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "ROLLKIT_SANDBOX": run_id}
+        proc = subprocess.Popen(argv_py, cwd=tmp, env=env, start_new_session=True, **pipes, **ids)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return proc, tmp
+
+
+def _status(rc: int | None, why: str, use: str, lim: _Limits) -> tuple[str, list[str]]:
+    """``(status, notes)`` of a finished run (:class:`RunResult`)."""
+    if why == "timeout":
+        return "timeout", [f"wall-clock timeout after {lim.timeout_s:g} s: killed"]
+    if why == "output_limit":
+        return "output_limit", [f"output over {lim.max_output_bytes} bytes: killed"]
+    sig = -rc if rc is not None and rc < 0 else None
+    if use == "bwrap" and rc is not None and rc > 128 and rc - 128 in _SIGNALS:
+        sig = rc - 128  # bwrap reports a signal death of the program as 128 + signal
+    if sig is not None:
+        return "killed", [f"killed by {_signame(sig)}{_SIGNALS.get(sig, '')}"]
+    return ("ok" if rc == 0 else "error"), []
+
+
 def run_python(
     code: str,
     *,
@@ -379,6 +617,7 @@ def run_python(
     work_mb: int = 64,
     isolation: str = "auto",
     python: str | None = None,
+    allow_env_secrets: bool = False,
 ) -> RunResult:
     """Run the Python program ``code`` (fed ``stdin``) in a sandbox; see the module docstring.
 
@@ -395,126 +634,53 @@ def run_python(
         isolation: ``"auto"`` (bwrap when it works here, else the fallback with a warning),
             ``"bwrap"`` (raise ``RuntimeError`` if unavailable) or ``"rlimit"``.
         python: interpreter to run (default :func:`sandbox_python`), always with ``-I -S``.
+        allow_env_secrets: run the non-root fallback even though the trainer's environment
+            holds secret-like variables, which the program can read (:func:`check_environment`
+            raises ``RuntimeError`` otherwise).
     """
-    if not isinstance(code, str):
-        raise TypeError(f"code must be a str, got {type(code).__name__}")
-    if not isinstance(stdin, str):
-        raise TypeError(f"stdin must be a str, got {type(stdin).__name__}")
-    if isolation not in ISOLATIONS:
-        raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
-    _check_limits(timeout_s=timeout_s)
-    cpu_s = math.ceil(timeout_s) if cpu_s is None else cpu_s
-    _check_limits(
-        cpu_s=cpu_s,
-        memory_mb=memory_mb,
-        max_procs=max_procs,
-        max_file_mb=max_file_mb,
-        max_open_files=max_open_files,
-        max_output_bytes=max_output_bytes,
-        work_mb=work_mb,
+    lim = _validated(
+        code,
+        stdin,
+        isolation,
+        dict(
+            timeout_s=timeout_s,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            max_procs=max_procs,
+            max_file_mb=max_file_mb,
+            max_open_files=max_open_files,
+            max_output_bytes=max_output_bytes,
+            work_mb=work_mb,
+        ),
     )
-    use = "bwrap" if isolation == "auto" else isolation
-    if isolation in ("auto", "bwrap") and not getattr(_TLS, "probing", False):
-        ok, why = bwrap_status()
-        if not ok and isolation == "bwrap":
-            raise RuntimeError(f"isolation='bwrap' but bubblewrap cannot run here: {why}")
-        use = "bwrap" if ok else "rlimit"
-
+    use = _resolve_isolation(isolation)
     as_root = os.geteuid() == 0
+    if use == "rlimit":
+        check_environment("rlimit", allow_env_secrets=allow_env_secrets)
     uid = random.randrange(*UID_RANGE) if as_root else None
     python = python or sandbox_python(-1 if uid is None else uid)
     run_id = "rollkit-sbx-" + uuid.uuid4().hex[:16]
-    notes: list[str] = []
-    if use == "rlimit":
-        gaps = fallback_gaps(as_root=as_root)
-        _warn_fallback(gaps)
-        notes += [f"not enforced: {k}: {v}" for k, v in gaps.items()]
-        notes.append("not enforced: memory is per process (RLIMIT_AS), disk only per file (RLIMIT_FSIZE)")
-        if not as_root:
-            notes.append(
-                "approximate: max_procs is added to the tasks the trainer's uid has at the start "
-                "(RLIMIT_NPROC counts per uid), so other processes of that uid shift the bound"
-            )
-    limits = [
-        run_id,
-        str(math.ceil(cpu_s)),
-        str(int(memory_mb) * 1024 * 1024),
-        str(int(max_procs)),
-        str(int(max_file_mb) * 1024 * 1024),
-        str(int(max_open_files)),
-        "1" if (use == "rlimit" and not as_root) else "0",
-    ]
-    argv_py = [python, "-I", "-S", "-c", _BOOT, *limits]
-    tmp = None
-    memfd = None
+    notes = _fallback_notes(as_root) if use == "rlimit" else []
+    t0 = time.perf_counter()
+    proc, tmp = _spawn(code, use, lim, python, uid, run_id)
     try:
-        if use == "bwrap":
-            memfd = os.memfd_create("solution.py", 0)
-            with open(memfd, "wb", closefd=False) as f:
-                f.write(code.encode())
-            os.lseek(memfd, 0, os.SEEK_SET)
-            argv = [shutil.which("bwrap") or "bwrap", *_bwrap_args(python, int(work_mb))]
-            argv += ["--file", str(memfd), f"{WORKDIR}/solution.py", *argv_py]
-            env, cwd, fds = {"PATH": "/usr/bin:/bin"}, "/", (memfd,)
-        else:
-            tmp = tempfile.mkdtemp(prefix="rollkit-sbx-")
-            Path(tmp, "solution.py").write_text(code, encoding="utf-8")
-            if uid is not None:
-                os.chown(tmp, uid, uid)
-                os.chown(Path(tmp, "solution.py"), uid, uid)
-            env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8", "ROLLKIT_SANDBOX": run_id}
-            argv, cwd, fds = argv_py, tmp, ()
-        ids = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd,
-            env=env,
-            pass_fds=fds,
-            start_new_session=True,
-            **ids,
-        )
-        if memfd is not None:
-            os.close(memfd)
-            memfd = None
         try:
-            out, err, why = _communicate(proc, stdin.encode(), t0 + timeout_s, int(max_output_bytes))
+            out, err, why = _communicate(proc, stdin.encode(), t0 + lim.timeout_s, int(lim.max_output_bytes))
         finally:
             _cleanup(proc, uid, run_id)
         wall = time.perf_counter() - t0
     finally:
-        if memfd is not None:
-            os.close(memfd)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-
-    rc = proc.returncode
-    if why == "timeout":
-        status = "timeout"
-        notes.append(f"wall-clock timeout after {timeout_s:g} s: killed")
-    elif why == "output_limit":
-        status = "output_limit"
-        notes.append(f"output over {max_output_bytes} bytes: killed")
-    else:
-        sig = -rc if rc is not None and rc < 0 else None
-        if use == "bwrap" and rc is not None and rc > 128 and rc - 128 in _SIGNALS:
-            sig = rc - 128  # bwrap reports a signal death of the program as 128 + signal
-        if sig is not None:
-            status = "killed"
-            notes.append(f"killed by {_signame(sig)}{_SIGNALS.get(sig, '')}")
-        else:
-            status = "ok" if rc == 0 else "error"
+    status, more = _status(proc.returncode, why, use, lim)
     return RunResult(
         status=status,
-        returncode=rc,
+        returncode=proc.returncode,
         stdout=out.decode("utf-8", "replace"),
         stderr=err.decode("utf-8", "replace"),
         wall_s=wall,
         isolation_used=use,
-        notes=tuple(notes),
+        notes=tuple(notes + more),
         run_id=run_id,
         truncated=why == "output_limit",
     )
