@@ -503,6 +503,12 @@ class _RayWorkers(_Workers):
         self.verifier = verifier
         self.actor_cls = ray.remote(_RayRewardWorker).options(**options)
         self.event = threading.Event()
+        ex = ray.exceptions
+        self.crash_errors = tuple(
+            getattr(ex, n)
+            for n in ("RayActorError", "OutOfMemoryError", "WorkerCrashedError", "NodeDiedError")
+            if hasattr(ex, n)
+        )
 
     def _start_worker(self) -> _Slot:
         actor = self.actor_cls.remote(self.verifier)
@@ -553,7 +559,7 @@ class _RayWorkers(_Workers):
     def _on_result(self, i: int, s: _Slot) -> None:
         try:
             status, reward, busy, err = self.ray.get(s.ref)
-        except self.ray.exceptions.RayActorError as e:
+        except self.crash_errors as e:  # the actor (or its node) died: retried elsewhere
             self._replace(i, "crash", f"Ray actor died: {type(e).__name__}")
             return
         except Exception as e:  # anything else counts as an error
