@@ -93,7 +93,7 @@ def _api_identifiers() -> dict[str, str]:
 
 def test_api_pages_cover_every_module():
     documented = _api_identifiers()
-    modules = _modules("rollkit") | _modules("trainers")
+    modules = _modules("rollkit") | _modules("trainers") | _modules("ablations")
     assert len(modules) >= 20, modules
     missing = sorted(modules - set(documented))
     assert not missing, f"modules without a `::: module` block on a docs/api/*.md page: {missing}"

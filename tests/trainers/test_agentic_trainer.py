@@ -17,7 +17,7 @@ from rollkit.advantages import gigpo_advantages, starpo_advantages
 from rollkit.ops import broadcast_to_tokens
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from trainers.config import AgenticConfig, load_config
-from trainers.loops.agentic import AgenticTrainer
+from trainers.loops.agentic import AgenticTrainer, trajectory_advantages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,7 +144,7 @@ def test_gigpo_step_uses_state_groups_and_starpo_one_advantage_per_trajectory(tm
     with AgenticTrainer(cfg) as trainer:
         result = trainer.collect()
         batch = result.to_batch(max_context=cfg.env.max_context, pad_token_id=trainer.pad_id)
-        adv, m = trainer.advantages(batch)
+        adv, m = trajectory_advantages(trainer.adv_entry, batch, cfg.algorithm.advantage_kwargs)
         # every group's episodes start from the same state: anchor groups of size group_size exist
         assert m["adv/state_groups_multi"] >= 2
         want = gigpo_advantages(
@@ -162,7 +162,7 @@ def test_gigpo_step_uses_state_groups_and_starpo_one_advantage_per_trajectory(tm
         assert metrics["adv/state_groups_multi"] >= 2
         cfg.algorithm.advantage, cfg.algorithm.advantage_kwargs = "starpo", {}
         trainer.adv_entry = ADVANTAGE_ESTIMATORS.entry("starpo")
-        adv2, _ = trainer.advantages(batch)
+        adv2, _ = trajectory_advantages(trainer.adv_entry, batch, cfg.algorithm.advantage_kwargs)
         want2 = broadcast_to_tokens(starpo_advantages(batch.rewards, batch.group_ids), batch.response_mask)
         torch.testing.assert_close(adv2, want2)
 

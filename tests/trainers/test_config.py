@@ -172,3 +172,17 @@ def test_rollout_dtype_and_autocast_resolution():
         rollout_dtype(load_config(["rollout.dtype=int8"]), "cpu")
     with pytest.raises(ValueError, match=r"train\.autocast"):
         train_autocast(load_config(["train.autocast=yes"]), "cpu")
+
+
+def test_fast_bf16_switch_forces_either_path(monkeypatch):
+    """ROLLKIT_FAST_BF16=0 / 1 decides dtype=auto on any CPU (CI exercises both numeric paths)."""
+    import torch
+
+    from trainers.engines.build import fast_bf16, rollout_dtype
+
+    cfg = load_config(["rollout.dtype=auto"])
+    for value, want in (("0", torch.float32), ("1", torch.bfloat16)):
+        monkeypatch.setenv("ROLLKIT_FAST_BF16", value)
+        assert fast_bf16("cpu") is (value == "1") and rollout_dtype(cfg, "cpu") == want
+    monkeypatch.setenv("ROLLKIT_FAST_BF16", "")  # unset: the hardware decides
+    assert fast_bf16("cpu") == bool(torch.cpu._is_amx_tile_supported())
