@@ -40,7 +40,7 @@ in the prompt / response layout of ``trainers.engines.base.pack``::
 The rollout loop normally stops an episode before it outgrows the budget; the policy is the
 guarantee that nothing longer than ``max_context`` ever reaches the trainer.
 
-Pure: token-id lists in, tensors out (no tokenizer; see ``trainers.envs.trajectory`` for the
+Pure: token-id lists in, tensors out (no tokenizer; see ``trainers.envs.turns`` for the
 glue that turns text into turns).
 """
 

