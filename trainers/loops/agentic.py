@@ -50,6 +50,17 @@ def build_agentic_engines(cfg: AgenticConfig) -> tuple[Any, Any, Any]:
     return build_engines(cfg, max_positions=max(512, cfg.env.max_context))
 
 
+def _check_env(cfg: AgenticConfig) -> None:
+    """Build the environment once here, so that a bad ``env.name`` / ``env.kwargs`` fails with a
+    named error before any model or worker process starts."""
+    try:
+        build_inner(cfg.env.name, cfg.env.kwargs).close()
+    except ValueError as e:
+        raise ValueError(f"env.{e}" if str(e).startswith("name:") else f"env.kwargs: {e}") from None
+    except TypeError as e:
+        raise ValueError(f"env.kwargs: {cfg.env.name} does not take {cfg.env.kwargs}: {e}") from None
+
+
 def trajectory_advantages(
     entry: Any, batch: TrajectoryBatch, kwargs: dict[str, Any]
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -125,6 +136,7 @@ class AgenticTrainer:
     ) -> None:
         validate_agentic(cfg)
         self.cfg = cfg
+        _check_env(cfg)
         if rollout_engine is None or train_engine is None:
             rollout_engine, train_engine, tokenizer = build_agentic_engines(cfg)
         if tokenizer is None:

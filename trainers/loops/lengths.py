@@ -1,16 +1,14 @@
-"""Per-request response-length budgets: the long-tail workload W1 of ``shared/BENCHMARKS.md``.
+r"""Per-request response-length budgets: the long-tail workload W1 (docs/benchmarks.md).
 
-Rollout time in RLVR is dominated by a few very long responses: the longest response of a step
-is 25-32x the median (RollPacker, Gao et al. 2025, arXiv:2509.21009, Table 1; ROLL Flash,
-Lu et al. 2025, arXiv:2510.11345, cites > 20x). A small model on a CPU does not produce that
-tail by itself, so the benchmarks control it: every request gets its own ``max_tokens`` drawn
-from a log-normal distribution clipped to the cap, and generates with ``ignore_eos`` so that it
-runs to exactly that length. Everything else stays real (a real model samples real tokens
-through a real engine, and the trainer trains on them).
+A small model on a CPU does not produce the long tail of RLVR response lengths by itself (the
+longest response of a step is 25-32x the median in RollPacker, arXiv:2509.21009), so the W1
+benchmarks control it: every request gets its own ``max_tokens`` drawn from a log-normal
+distribution clipped to the cap and generates with ``ignore_eos``, so that it runs to exactly
+that length.
 
-:math:`L = \\min(\\text{cap}, \\max(1, \\operatorname{round}(m\\, e^{\\sigma Z})))`,
-:math:`Z \\sim \\mathcal N(0, 1)`, with median :math:`m`. With :math:`\\sigma = 1.5` the
-longest of 64 draws is about :math:`e^{2.15\\sigma} \\approx 25` times the median.
+:math:`L = \min(\text{cap}, \max(1, \operatorname{round}(m\, e^{\sigma Z})))`,
+:math:`Z \sim \mathcal N(0, 1)`, with median :math:`m`. With :math:`\sigma = 1.5` the
+longest of 64 draws is about :math:`e^{2.15\sigma} \approx 25` times the median.
 
 Spec strings (``rollout.length_dist``): ``""`` (every request gets the cap,
 ``rollout.max_tokens``, and stops at EOS as usual) or ``"lognormal:MEDIAN:SIGMA"``.
@@ -29,6 +27,8 @@ from __future__ import annotations
 
 import math
 import random
+
+from trainers.config import parse_length_dist
 
 __all__ = ["LengthSampler"]
 
@@ -49,20 +49,8 @@ class LengthSampler:
             raise ValueError(f"cap must be an int >= 1, got {cap!r}")
         self.spec, self.cap = spec, cap
         self._rng = random.Random(seed)
-        self.median = self.sigma = None
-        if spec:
-            parts = spec.split(":")
-            try:
-                if parts[0] != "lognormal" or len(parts) != 3:
-                    raise ValueError
-                median, sigma = float(parts[1]), float(parts[2])
-            except ValueError:
-                raise ValueError(
-                    f"rollout.length_dist: expected '' or 'lognormal:MEDIAN:SIGMA', got {spec!r}"
-                ) from None
-            if not (median >= 1 and sigma >= 0 and math.isfinite(median) and math.isfinite(sigma)):
-                raise ValueError(f"rollout.length_dist: need MEDIAN >= 1 and SIGMA >= 0, got {spec!r}")
-            self.median, self.sigma = median, sigma
+        parsed = parse_length_dist(spec)
+        self.median, self.sigma = parsed if parsed is not None else (None, None)
         self.ignore_eos = bool(spec)
 
     def draw(self) -> int:

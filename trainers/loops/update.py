@@ -68,7 +68,13 @@ class GroupUpdate:
         if self.normalizer is not None:
             rewards = self.normalizer.normalize(rewards)
         adv = self.adv_entry.call(
-            {"rewards": rewards, "group_ids": group_ids, "response_mask": mask}, **a.advantage_kwargs
+            {
+                "rewards": rewards,
+                "group_ids": group_ids,
+                "response_mask": mask,
+                "response_length": mask.sum(-1),
+            },
+            **a.advantage_kwargs,
         )
         adv = adv[0] if isinstance(adv, tuple) else adv
         adv = (adv[:, None] if adv.dim() == 1 else adv) * mask
