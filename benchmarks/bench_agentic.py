@@ -1,24 +1,18 @@
 """W3 benchmark: time per agentic training step with slow, flaky environments.
 
-The workload (``/work/shared/BENCHMARKS.md`` W3, after ROLL Flash, Lu et al., 2025,
-arXiv:2510.11345): text FrozenLake whose every ``step`` first sleeps a latency drawn from a
-Gaussian truncated at 0 (``--latency-mean``, ``--latency-std``; the papers use mean 10 s, std
-1-10 s, scaled down here) and fails with probability ``--fail-prob`` (``--fail-mode hang``: past
-the ``--deadline``; or ``raise``). One :class:`~trainers.loops.AgenticTrainer` trains
-``--groups x --group-size`` trajectories per step (StarPO + PPO) in three rollout modes:
-
-* ``lockstep``: every turn of the batch is generated together, then every environment steps;
-* ``async``: environment-level asynchronous rollout (each episode on its own, requests batched
-  by the engine server);
-* ``async+redundant``: ``--num-env-groups`` task groups of ``--group-size + --redundancy``
-  episodes, the first finishers are kept.
-
-Same resources and same trained samples: the three modes run one after the other in one
-process with the same engines, the same environment worker processes (started beforehand:
-enough for the redundant mode) and the same number of trajectories per step; the initial
-weights and optimizer state are restored before each mode. ``--warmup`` untimed steps per mode,
-then ``--steps`` timed steps; printed: mean seconds per training step (rollout + update), the
-environment fault counts, and the speed-ups. Results are printed, not asserted.
+The workload W3 (docs/benchmarks.md, after ROLL Flash, Lu et al., 2025, arXiv:2510.11345):
+text FrozenLake whose every ``step`` first sleeps a latency drawn from a Gaussian truncated at
+0 (``--latency-mean``, ``--latency-std``; the papers use mean 10 s, std 1-10 s, scaled down
+here) and fails with probability ``--fail-prob`` (``--fail-mode hang``: past the
+``--deadline``; or ``raise``). One :class:`~trainers.loops.AgenticTrainer` trains
+``--groups x --group-size`` trajectories per step (StarPO + PPO) in three rollout modes,
+``lockstep``, ``async`` (environment-level asynchronous rollout) and ``async+redundant``
+(``--num-env-groups`` task groups of ``--group-size + --redundancy`` episodes, the first
+finishers kept), one after the other in one process, with the same engines, the same
+environment worker processes and the initial weights restored before each mode.
+``--warmup`` untimed steps per mode, then ``--steps`` timed steps; it prints the mean seconds
+per training step, the environment fault counts and the speed-ups. Results are printed, not
+asserted; the measured table is in docs/agentic.md.
 
     python benchmarks/bench_agentic.py --quick          # tiny model, < 60 s
     python benchmarks/bench_agentic.py                  # tiny model, mean 0.5 s, std 0.5 s, 1% failures

@@ -1,44 +1,25 @@
 """Benchmark W1 (long-tail RLVR rollout): synchronous vs queue scheduling vs extra prompts vs async.
 
-The workload of ``shared/BENCHMARKS.md`` W1: a real model generates through a real engine with
+The workload W1 (docs/benchmarks.md): a real model generates through a real engine with
 ``ignore_eos`` and a per-request ``max_tokens`` drawn from a log-normal distribution clipped
-to a cap (``rollout.length_dist``, :mod:`trainers.lengths`); rewards are the cheap exact-match
-check of the addition task; the training step is the real loss and backward. Every mode trains
-the same number of samples per step (``--prompts`` x ``--n``) with the same engines in this
-process (one rollout engine, one training engine, the machine's cores):
-
-* ``sync``: :class:`~trainers.sync_trainer.SyncTrainer` (generate the batch, wait for its
-  longest response, train, push weights);
-* ``queue``: :class:`~trainers.async_trainer.AsyncTrainer` with ``ratio=0``: per-sample requests,
-  rewards as each finishes, still synchronous (ROLL Flash's queue scheduling alone);
-* ``queue+extra``: ``ratio=0`` and ``--extra`` more prompts running: the first groups to finish
-  are trained, the tail is aborted;
-* ``async a=K``: ``ratio=K``: generation goes on while the trainer trains, on samples started
-  at most ``K`` versions ago.
-
-After a discarded two-step warm-up of the synchronous trainer (kernels for new shapes are built
-on first use), the modes run in order and then (``--passes 2``, the default) in reverse order,
-each with ``--warmup`` steps then ``--steps`` measured steps; the table has, over the passes, the median
-seconds per step, the share of the step spent generating (sync: ``time/rollout``) or waiting
-for a batch (async: ``time/wait``), the mean staleness, and the speed-up against ``sync``.
+to a cap (``rollout.length_dist``, :mod:`trainers.loops.lengths`); rewards are the cheap
+exact-match check; the training step is the real loss and backward. Every mode trains the same
+samples per step (``--prompts`` x ``--n``) with the same engines in this process: ``sync``
+(:class:`~trainers.loops.SyncTrainer`), ``queue`` (:class:`~trainers.loops.AsyncTrainer` with
+``ratio=0``: ROLL Flash's queue scheduling alone), ``queue+extra`` (``ratio=0`` with
+``--extra`` more prompts running) and ``async a=K`` (``ratio=K``). The table has the median
+seconds per step, the generating (sync) or waiting (async) share of the step, the mean
+staleness and the speed-up against ``sync``; results are printed, not asserted.
 
     python benchmarks/bench_async.py                         # SmolLM2-135M on vLLM (the reported run)
     python benchmarks/bench_async.py --model tiny --engine hf --cap 48 --steps 2   # smoke run
     python benchmarks/bench_async.py --learning              # learning preserved: sync vs a=2, 3 seeds
     python benchmarks/bench_async.py --recipe                # the default recipe's own job, 5 set-ups
 
-``--recipe`` runs the default recipe's whole job (``recipes/rlvr_qwen.py``: SmolLM2-135M,
-2-digit addition, 4 prompts x 8 samples, 20 steps, held-out accuracy on 100 prompts before
-and after), one subprocess per set-up (``--recipe-modes``), on the same cores: in this process
-synchronous and asynchronous (ratio 1 and 2, ``decoupled-ppo``), and on a local Ray with
-``placement.mode=disaggregated`` (one rollout actor and one train actor, half the cores
-each) synchronous and asynchronous (ratio 1). It prints seconds per step, the whole job's
-wall time and the accuracy after; ``--recipe-args`` adds config overrides to every run.
-
-``--learning`` runs the tiny-model task of the tests (1-digit addition after a supervised
-warm-up) with the synchronous trainer and with ``ratio=2`` (plus ``--async-config``, default
-the off-policy loss ``algorithm.policy_loss=decoupled-ppo``), the same number of trained
-samples, over ``--seeds`` seeds, and prints held-out accuracy before and after.
+``--recipe`` runs the whole job of ``recipes/rlvr_qwen.py`` once per set-up (``--recipe-modes``:
+in process and on a local Ray with ``placement.mode=disaggregated``, sync and async);
+``--learning`` the tiny-model task of the tests, sync vs ``ratio=2`` (``--async-config``) over
+``--seeds`` seeds. The modes, the set-ups and the measured tables: docs/async.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark: code-reward time per step (W2: a timeout tail) and the per-run cost of each sandbox.
 
-**W2** (/work/shared/BENCHMARKS.md): a step scores ``prompts x group`` completions of HumanEval
+**W2** (docs/benchmarks.md): a step scores ``prompts x group`` completions of HumanEval
 problems; ~5% of them loop forever (a ``while True: pass`` body), the rest are the canonical
 solution or a wrong one (half each). The same completions, in the same order, are scored with
 a *fixed* timeout (the 30 s of the papers scaled to ``--fixed 3`` s) and with RollPacker's

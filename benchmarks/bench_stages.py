@@ -3,7 +3,7 @@
 The tiny Qwen2 (character tokenizer, 1-digit addition), the same config for the three
 placements; each runs one untimed step (warm-up), then ``--steps`` timed steps, and the
 table prints the mean seconds per step of each stage (``time/*`` metrics of
-:meth:`trainers.sync_trainer.SyncTrainer.step`: rollout, reward, reference, offload (the
+:meth:`trainers.loops.SyncTrainer.step`: rollout, reward, reference, offload (the
 colocated rollout's sleep), train, weight_sync) and the time to build the roles. Results are
 printed, never asserted; compare columns of one run only.
 

@@ -1,29 +1,24 @@
 """Tail batching (RollPacker) vs plain synchronous RL on the W1 long-tail workload.
 
-W1 (``shared/BENCHMARKS.md``; :mod:`trainers.lengths`): every response gets its own
+W1 (docs/benchmarks.md; :mod:`trainers.loops.lengths`): every response gets its own
 ``max_tokens`` drawn from a log-normal distribution clipped to a cap and generates with
 ``ignore_eos``, so a step's longest response is about 25x its median (RollPacker, Gao et al.
-2025, arXiv:2509.21009, Table 1). Both modes run :class:`trainers.sync_trainer.SyncTrainer`
-with the same model, engine, threads, seed and the same trained samples per step
-(``--prompts`` x ``--n``), through the request-level rollout engine:
-
-* **sync**: every step generates its ``P0 x R0`` responses and waits for the longest;
-* **tail batching** (``tail_batching.enabled=true``): short rounds launch
-  ``ceil(eta * P0)`` prompts x ``ceil(eta * R0)`` responses, keep the first ``R0`` responses
-  of a prompt and the first ``P0`` prompts to complete and abort the rest; the prompts that
-  lost the race are trained later, together, in a long round.
-
-Each mode runs ``--warmup`` untimed steps, then ``--steps`` timed steps; the table gives the
-median and the mean seconds per step (with ``P0 = 8`` and ``eta = 1.25`` one step in five is a
-long round: the mean over whole cycles is the end-to-end figure), the median rollout seconds
-per step, the rollout share of the step (median rollout / median step) and the speed-ups over
-sync. Results are printed, never asserted; compare the rows of one run only.
+2025, arXiv:2509.21009, Table 1). Both modes run :class:`~trainers.loops.SyncTrainer` with the
+same model, engine, threads, seed and trained samples per step (``--prompts`` x ``--n``),
+through the request-level rollout engine: **sync** (each step waits for its longest response)
+and **tail batching** (``tail_batching.enabled=true``: short rounds over-provision prompts and
+responses and keep the first to finish; the prompts that lost the race are trained later, in a
+long round). Each mode runs ``--warmup`` untimed steps, then ``--steps`` timed steps; the table
+gives the median and mean seconds per step (with ``P0 = 8`` and ``eta = 1.25`` one step in five
+is a long round: the mean over whole cycles is the end-to-end figure), the median rollout
+seconds, the rollout share and the speed-ups. Results are printed, never asserted; compare the
+rows of one run only. The measured table: docs/scheduling.md.
 
     python benchmarks/bench_tail_batching.py                       # default model, vLLM if importable
     python benchmarks/bench_tail_batching.py --model tiny --engine hf --steps 4 --prompts 4 --n 4  # smoke
 
-The embedded default model is SmolLM2-135M-Instruct (:func:`trainers.models.default_model_path`,
-cap 512 by default); ``--model tiny`` is the tiny Qwen2 of the tests (cap 64 by default).
+``--model default`` is SmolLM2-135M-Instruct (cap 512 by default); ``--model tiny`` the tiny
+Qwen2 of the tests (cap 64 by default).
 """
 
 from __future__ import annotations

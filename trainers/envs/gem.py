@@ -1,32 +1,19 @@
 """GEM environments behind rollkit's :class:`~trainers.envs.base.Env` interface.
 
 GEM (Axon-RL's General Experience Maker, PyPI ``gem-llm``; Liu et al., 2025,
-arXiv:2510.01051) has the same ``reset`` / ``step`` API, so the adapter only adds what rollkit
+arXiv:2510.01051) has the same ``reset`` / ``step`` API; :class:`GemEnv` adds what rollkit
 relies on:
 
-* **self-contained observations**: GEM's games return the instructions (on reset) or a short
-  feedback line (on step) as the observation and put the board in ``info["suffix"]``; with
-  ``append_suffix=True`` (default) the adapter appends the suffix, so the model sees the board
-  every turn, as with rollkit's own environments. ``info`` is passed on unchanged.
-* :meth:`GemEnv.state_key`: GEM has no state accessor. For the games whose state lives in
-  known attributes (:data:`STATE_ATTRIBUTES`: Sokoban's room and player, the guesses of
-  GuessTheNumber / Mastermind, Minesweeper's revealed and flagged cells) the key is a frozen
-  copy of them; otherwise it is the latest observation text (what verl-agent's GiGPO groups
-  steps by; GEM's feedback lines carry the turn number, so there states rarely repeat). Pass
-  ``state_fn(gem_env) -> hashable`` to choose.
-* the flags and rewards are GEM's, unchanged (its games set ``terminated=True`` together with
-  ``truncated=True`` at ``max_turns``, and end the episode on a format error with -0.1).
+* self-contained observations: with ``append_suffix=True`` (default) GEM's ``info["suffix"]``
+  (the board) is appended to every observation; ``info`` is passed on unchanged;
+* :meth:`GemEnv.state_key`: for the games of :data:`STATE_ATTRIBUTES` a frozen copy of those
+  attributes, otherwise the latest observation text; ``state_fn(gem_env) -> hashable`` chooses;
+* GEM's rewards and flags, unchanged.
 
-GEM ids look like ``"game:Sokoban-v0-easy"``, ``"game:GuessTheNumber-v0-easy"``,
-``"game:Mastermind-v0-easy"``, ``"game:Minesweeper-v0-easy"`` (``gem.envs.registration.
-ENV_REGISTRY`` lists them); the game environments run offline. ``make_env("gem:<id>")``
-builds one. Note that GEM's ``reset(seed)`` seeds Python's and NumPy's *global* random
-generators (``gem.utils.seeding.set_seed``): run GEM environments in their own processes
-(:class:`trainers.envs.workers.EnvWorkers`) when other code in the process relies on them.
-
-``import gem`` needs ``reasoning-gym`` (imported by ``gem.envs``); ``gem-llm`` 0.1.0 pins
-``msgspec==0.19.0``, which conflicts with vLLM's, so install it with ``--no-deps`` next to
-``reasoning-gym`` (see ``docs/agentic.md``).
+``make_env("gem:<id>")`` builds one (ids such as ``"game:Sokoban-v0-easy"``; :func:`gem_env_ids`
+lists them). GEM's ``reset(seed)`` seeds Python's and NumPy's global generators: run GEM
+environments in :class:`~trainers.envs.workers.EnvWorkers`. Installing GEM and the details:
+docs/agentic.md (GEM environments).
 """
 
 from __future__ import annotations
