@@ -261,6 +261,9 @@ class RayConfig:
     num_cpus: int | None = None  # local ray.init only (None: every core)
     object_store_mb: int = 0  # local ray.init only (0: Ray's default)
     torch_threads: int = 0  # torch threads per actor (0: the actor's CPUs, at least 1)
+    # deadline of every call to an actor (a generation request, an update, a weight load): past it
+    # the run stops with an error naming the actor (hung, e.g. SIGSTOP, or overloaded)
+    timeout_s: float = 1800.0
 
 
 @dataclass
@@ -632,7 +635,9 @@ def load_config(argv: list[str] | None = None, *, base: Config | None = None) ->
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{config_file} line {mark.line + 1}" if mark is not None else config_file
-            raise ValueError(f"config: {where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+            raise ValueError(
+                f"config: {where}: not valid YAML ({getattr(e, 'problem', None) or e})"
+            ) from None
         apply_dict(cfg, data)
     apply_overrides(cfg, pairs)
     return cfg
@@ -859,6 +864,7 @@ def validate(cfg: Config) -> None:
             ("placement.rollout_workers", c.placement.rollout_workers, "int>=1"),
             ("placement.train_workers", c.placement.train_workers, "int>=1"),
             ("placement.cpus_per_worker", c.placement.cpus_per_worker, ">0"),
+            ("ray.timeout_s", c.ray.timeout_s, ">0"),
         ]
     )
     if c.rollout.max_model_len is not None:

@@ -10,6 +10,7 @@ talk only to these; ``Roles.close()`` stops what was started here. docs/distribu
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from trainers.learner import Learner, learner_for
 from trainers.ray import build_ray_roles
 from trainers.rewards import RewardPool, get_verifier
 
-__all__ = ["AnswerReward", "Roles", "build_roles"]
+__all__ = ["AnswerReward", "Roles", "build_roles", "close_all"]
 
 #: the reward pool's failure counters reported every step
 REWARD_FAILURES = ("errors", "timeouts", "crashes", "retries", "crash_failures")
@@ -96,10 +97,24 @@ class Roles:
 
     def close(self) -> None:
         """Stop the reward workers and the Ray actors / placement groups started here (engines
-        passed in are the caller's). Idempotent."""
-        self.rewards.close()
-        while self.owned:
-            self.owned.pop().close()
+        passed in are the caller's), each whatever failed before. Idempotent."""
+        close_all([self.rewards.close, *[o.close for o in reversed(self.owned)]])
+        self.owned.clear()
+
+
+def close_all(steps: list[Any]) -> None:
+    """Run every cleanup step even when some fail (a dead actor, a broken pool); the failures
+    become one warning naming them, never an exception that would leak what comes after."""
+    failed = []
+    for step in steps:
+        try:
+            step()
+        except Exception as e:
+            failed.append(
+                f"{getattr(step, '__qualname__', step)}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            )
+    if failed:
+        warnings.warn("cleanup steps failed (the others ran): " + "; ".join(failed), stacklevel=3)
 
 
 def _reference(cfg: Config, train: Any, given: Any) -> Any:

@@ -303,3 +303,64 @@ def test_plan_bundles_is_checked():
         plan_bundles(
             "colocated", rollout_workers=1, train_workers=1, cpus=1, gpus=0, rollout_resources={"x": 1}
         )
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid()))
+
+
+@pytest.mark.slow
+def test_a_hung_rollout_actor_stops_the_run_with_its_name(cluster, tok, warm_model, tmp_path):
+    """A rollout actor that stops answering (SIGSTOP) makes the step fail after ray.timeout_s with
+    an error naming it, instead of hanging; close() then frees every actor and the placement group."""
+    import signal
+    import time
+
+    from trainers.ray import ActorCallError
+
+    cfg = load_config(
+        [*BASE, f"logging.dir={tmp_path}", "placement.mode=disaggregated", "placement.cpus_per_worker=0.5",
+         "rollout.prompts_per_step=2", "rollout.n=2", "ray.timeout_s=6"]
+    )  # fmt: skip
+    tr = SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok)
+    pid = _pid(tr.rollout.actors[0])
+    try:
+        tr.step()  # healthy
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ActorCallError, match=r"rollout actor.*0.*no answer within 6 s"):
+            tr.step()
+        assert time.monotonic() - t0 < 60
+    finally:
+        tr.close()
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert _no_leaks()
+
+
+@pytest.mark.slow
+def test_async_close_after_a_rollout_actor_died_frees_everything(cluster, tok, warm_model, tmp_path):
+    """A rollout actor dies mid-run: the step fails naming it, and close() still stops the producer,
+    the reward pool and the other actors and frees the placement group (no exception from close)."""
+    from trainers.loops import AsyncTrainer
+
+    cfg = load_config(
+        [*BASE, f"logging.dir={tmp_path}", "placement.mode=disaggregated", "placement.rollout_workers=2",
+         "placement.cpus_per_worker=0.5", "rollout.prompts_per_step=2", "rollout.n=2", "asynchronous.ratio=1",
+         "algorithm.policy_loss=decoupled-ppo", "reward.backend=process", "reward.num_workers=1", "ray.timeout_s=20"]
+    )  # fmt: skip
+    tr = AsyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok)
+    pool_pids = tr.rewards.worker_pids()
+    tr.step()
+    ray.kill(tr.rollout.actors[1], no_restart=True)
+    with pytest.raises(RuntimeError, match=r"rollout actor 1.*died"):
+        for _ in range(5):
+            tr.step()
+    tr.close()  # warns about the dead actor, raises nothing
+    assert not tr.scheduler.running
+    for pid in pool_pids:  # the reward workers are gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _no_leaks()

@@ -43,7 +43,7 @@ from trainers.loops.queue import GroupFactory, QueueScheduler
 from trainers.loops.sync import greedy_accuracy
 from trainers.loops.update import GroupUpdate
 from trainers.ray import RayRequestEngine
-from trainers.roles import Roles, build_roles
+from trainers.roles import Roles, build_roles, close_all
 
 __all__ = ["AsyncTrainer"]
 
@@ -76,7 +76,13 @@ def request_engines(
     ac, rollout = cfg.asynchronous, roles.rollout
     if engines is None and hasattr(rollout, "actors"):  # Ray: every rollout actor
         return [
-            RayRequestEngine(a, chunk_tokens=cfg.rollout.chunk_tokens, seed=cfg.seed + 1 + k)
+            RayRequestEngine(
+                a,
+                chunk_tokens=cfg.rollout.chunk_tokens,
+                seed=cfg.seed + 1 + k,
+                timeout_s=cfg.ray.timeout_s,
+                name=f"rollout actor {k}",
+            )
             for k, a in enumerate(rollout.actors)
         ]
     if engines is None:
@@ -297,11 +303,13 @@ class AsyncTrainer:
     def close(self) -> None:
         """Stop the producer, abort the requests still running in the engines (so an engine passed
         in can be reused), then stop the roles started here."""
-        try:
-            self.scheduler.stop()
-            self.scheduler.abort_all()
-        finally:
-            self.roles.close()
+
+        def abort() -> None:
+            failed = self.scheduler.abort_all()
+            if failed:
+                raise failed[0]
+
+        close_all([self.scheduler.stop, abort, self.roles.close])
 
     def __enter__(self) -> AsyncTrainer:
         return self

@@ -189,10 +189,16 @@ class QueueScheduler:
         the reward pool, e.g. an evaluation)."""
         self._collect_scores(self.rewards.gather())
 
-    def abort_all(self) -> None:
-        """Abort every request still running in the engines (so that engines can be reused)."""
+    def abort_all(self) -> list[BaseException]:
+        """Abort every request still running in the engines (so that engines can be reused);
+        an engine that fails (a dead actor) does not stop the others. Returns the failures."""
+        failed = []
         for e in self.engines:
-            e.abort()
+            try:
+                e.abort()
+            except Exception as err:
+                failed.append(err)
+        return failed
 
     # ------------------------------------------------------------------ the producer
 

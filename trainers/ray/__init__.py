@@ -4,6 +4,7 @@ the rollout / train / reference actors with the proxies the trainer talks to
 
 from trainers.ray.placement import ActorSlot, BundlePlan, Placement, plan_bundles
 from trainers.ray.workers import (
+    ActorCallError,
     RayReference,
     RayRequestEngine,
     RayRoles,
@@ -17,6 +18,7 @@ from trainers.ray.workers import (
 )
 
 __all__ = [
+    "ActorCallError",
     "ActorSlot",
     "BundlePlan",
     "Placement",

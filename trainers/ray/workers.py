@@ -42,6 +42,7 @@ import dataclasses
 import math
 import os
 import socket
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,45 @@ MAX_INFLIGHT = 2
 
 def _ray() -> Any:
     return require("ray")
+
+
+#: deadline of a remote call when the caller gives none (``ray.timeout_s`` in a config)
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class ActorCallError(RuntimeError):
+    """A call to a Ray actor did not answer within its deadline, or the actor died."""
+
+
+def call(refs: Any, names: Sequence[str] | str, timeout_s: float) -> Any:
+    """``ray.get(refs)`` with a deadline: an actor that does not answer within ``timeout_s``
+    (hung, e.g. stopped by SIGSTOP, or overloaded) or that died raises :class:`ActorCallError`
+    naming it (``names``: one per ref, or one for a single ref). Never waits longer."""
+    ray = _ray()
+    single = not isinstance(refs, list)
+    ref_list = [refs] if single else refs
+    names = [names] * len(ref_list) if isinstance(names, str) else list(names)
+    wait_all(ref_list, names, timeout_s)
+    try:
+        out = ray.get(ref_list, timeout=timeout_s)
+    except ray.exceptions.RayActorError as e:
+        dead = ", ".join(names)
+        raise ActorCallError(
+            f"{dead}: the actor died ({type(e).__name__}: {str(e).splitlines()[0]})"
+        ) from None
+    return out[0] if single else out
+
+
+def wait_all(refs: list[Any], names: Sequence[str], timeout_s: float) -> None:
+    """Wait until every ref is ready (without fetching it), at most ``timeout_s``; else raise
+    :class:`ActorCallError` naming the actors that did not answer."""
+    _, pending = _ray().wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [n for r, n in zip(refs, names) if r in pending]
+        raise ActorCallError(
+            f"{', '.join(late)}: no answer within {timeout_s:g} s (ray.timeout_s): the actor is hung or "
+            "overloaded; the run stops"
+        )
 
 
 def init_ray(cfg: Config) -> None:
@@ -263,14 +303,20 @@ class ReferenceWorker:
 class RayRolloutGroup:
     """K rollout actors behind the RolloutEngine interface (module docstring)."""
 
-    def __init__(self, actors: list[Any], *, prompts_per_request: int = 1) -> None:
+    def __init__(
+        self, actors: list[Any], *, prompts_per_request: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         if not actors:
             raise ValueError("actors: at least one rollout actor")
         if prompts_per_request < 1:
             raise ValueError(f"prompts_per_request must be >= 1, got {prompts_per_request}")
         self.actors = actors
         self.prompts_per_request = prompts_per_request
+        self.timeout_s = timeout_s
         self.policy_version = 0
+
+    def _names(self, what: str) -> list[str]:
+        return [f"rollout actor {i} ({what})" for i in range(len(self.actors))]
 
     def _run(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, size: int
@@ -298,11 +344,17 @@ class RayRolloutGroup:
 
         dispatch()
         while pending:
-            [ref], _ = ray.wait(list(pending), num_returns=1)
-            a, s, k = pending.pop(ref)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.timeout_s)
+            if not ready:
+                late = sorted({a for a, _, _ in pending.values()})
+                raise ActorCallError(
+                    f"rollout actor(s) {late} (generate): no answer within {self.timeout_s:g} s "
+                    "(ray.timeout_s): hung or overloaded; the run stops"
+                )
+            a, s, k = pending.pop(ready[0])
             load[a] -= k
             dispatch()
-            for g in ray.get(ref):
+            for g in call(ready[0], f"rollout actor {a} (generate)", self.timeout_s):
                 yield dataclasses.replace(g, prompt_index=g.prompt_index + s)
 
     def generate_iter(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[Generation]:
@@ -319,17 +371,21 @@ class RayRolloutGroup:
         """Every actor loads the weights from one object-store copy (an ObjectRef is used as is)."""
         ray = _ray()
         ref = named_tensors if isinstance(named_tensors, ray.ObjectRef) else ray.put(list(named_tensors))
-        ray.get([a.update_weights.remote(ref, version) for a in self.actors])
+        call(
+            [a.update_weights.remote(ref, version) for a in self.actors],
+            self._names("update_weights"),
+            self.timeout_s,
+        )
         self.policy_version = int(version)
 
     def sleep(self, level: int = 1) -> None:
-        _ray().get([a.sleep.remote(level) for a in self.actors])
+        call([a.sleep.remote(level) for a in self.actors], self._names("sleep"), self.timeout_s)
 
     def wake(self) -> None:
-        _ray().get([a.wake.remote() for a in self.actors])
+        call([a.wake.remote() for a in self.actors], self._names("wake"), self.timeout_s)
 
     def node_ids(self) -> list[str]:
-        return _ray().get([a.node_id.remote() for a in self.actors])
+        return call([a.node_id.remote() for a in self.actors], self._names("node_id"), self.timeout_s)
 
 
 class RayRequestEngine:
@@ -345,14 +401,28 @@ class RayRequestEngine:
         actor: a :class:`RolloutWorker` actor handle.
         chunk_tokens, seed: for the actor's request engine
             (:func:`~trainers.engines.requests.as_request_engine`).
+        timeout_s: the deadline of every call to the actor; name: how errors name it.
     """
 
-    def __init__(self, actor: Any, *, chunk_tokens: int = 16, seed: int = 0) -> None:
-        self.actor = actor
-        self.policy_version = int(_ray().get(actor.init_requests.remote(chunk_tokens, seed)))
+    def __init__(
+        self,
+        actor: Any,
+        *,
+        chunk_tokens: int = 16,
+        seed: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        name: str = "rollout actor",
+    ) -> None:
+        self.actor, self.timeout_s, self.name = actor, timeout_s, name
+        self.policy_version = int(
+            call(actor.init_requests.remote(chunk_tokens, seed), self._n("init"), timeout_s)
+        )
         self._running: set[str] = set()
         self._step_ref: Any = None
         self.requests_added = 0  # requests sent to this actor (new and continued)
+
+    def _n(self, what: str) -> str:
+        return f"{self.name} ({what})"
 
     @property
     def num_running(self) -> int:
@@ -360,7 +430,9 @@ class RayRequestEngine:
 
     def add(self, requests: Sequence[Any]) -> None:
         requests = list(requests)
-        _ray().get(self.actor.add_requests.remote(requests))  # the actor checks them
+        call(
+            self.actor.add_requests.remote(requests), self._n("add_requests"), self.timeout_s
+        )  # it checks them
         self._running.update(r.request_id for r in requests)
         self.requests_added += len(requests)
 
@@ -374,7 +446,7 @@ class RayRequestEngine:
         if self._step_ref is None:
             return []
         ref, self._step_ref = self._step_ref, None
-        done = _ray().get(ref)
+        done = call(ref, self._n("step_requests"), self.timeout_s)
         self._running.difference_update(r.request_id for r in done)
         return done
 
@@ -384,7 +456,7 @@ class RayRequestEngine:
             return []
         if self._step_ref is not None:
             raise RuntimeError("abort: a step is in flight; collect it with step() first")
-        stopped = _ray().get(self.actor.abort_requests.remote(ids))
+        stopped = call(self.actor.abort_requests.remote(ids), self._n("abort_requests"), self.timeout_s)
         self._running.difference_update(r.request_id for r in stopped)
         return stopped
 
@@ -392,15 +464,21 @@ class RayRequestEngine:
         """Load new weights (an ObjectRef is used as is); refused by the actor while requests run."""
         ray = _ray()
         ref = named_tensors if isinstance(named_tensors, ray.ObjectRef) else ray.put(list(named_tensors))
-        ray.get(self.actor.update_weights.remote(ref, version))
+        call(self.actor.update_weights.remote(ref, version), self._n("update_weights"), self.timeout_s)
         self.policy_version = int(version)
 
 
 class RayTrainGroup:
     """N train ranks behind the :class:`~trainers.learner.Learner` interface."""
 
-    def __init__(self, workers: list[Any]) -> None:
-        self.workers = workers
+    def __init__(self, workers: list[Any], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.workers, self.timeout_s = workers, timeout_s
+
+    def _names(self, what: str) -> list[str]:
+        return [f"train rank {r} ({what})" for r in range(len(self.workers))]
+
+    def _all(self, refs: list[Any], what: str) -> list[Any]:
+        return call(refs, self._names(what), self.timeout_s)
 
     @property
     def world_size(self) -> int:
@@ -412,7 +490,7 @@ class RayTrainGroup:
         ray = _ray()
         payload = ray.put({"batch": batch, "advantages": advantages, "ref_logprobs": ref_logprobs})
         total = UpdateStats()
-        for sums, counts in ray.get([w.update.remote(payload, seed) for w in self.workers]):
+        for sums, counts in self._all([w.update.remote(payload, seed) for w in self.workers], "update"):
             part = UpdateStats()
             part.sums.update(sums)
             part.counts.update(counts)
@@ -422,7 +500,7 @@ class RayTrainGroup:
     def export_weights(self) -> Any:
         """An ObjectRef to rank 0's ``[(name, tensor)]`` (pass it to ``RayRolloutGroup.update_weights``)."""
         refs = [w.export_weights.remote() for w in self.workers]
-        _ray().get(refs[1:])
+        wait_all(refs, self._names("export_weights"), self.timeout_s)  # rank 0's stays in the store
         return refs[0]
 
     def batch_logprobs(
@@ -433,37 +511,38 @@ class RayTrainGroup:
         ray = _ray()
         ref = ray.put(batch)
         refs = [w.batch_logprobs.remote(ref, temperature, micro_batch_size) for w in self.workers]
-        return ray.get(refs)[0]
+        return self._all(refs, "batch_logprobs")[0]
 
     def weights(self) -> list[tuple[str, torch.Tensor]]:
         """Rank 0's weights, fetched here."""
-        return _ray().get(self.export_weights())
+        return call(self.export_weights(), "train rank 0 (weights)", self.timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
-        return _ray().get([w.state_dict.remote() for w in self.workers])[0]
+        return self._all([w.state_dict.remote() for w in self.workers], "state_dict")[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ray = _ray()
         ref = ray.put(state)
-        ray.get([w.load_state_dict.remote(ref) for w in self.workers])
+        self._all([w.load_state_dict.remote(ref) for w in self.workers], "load_state_dict")
 
     def node_ids(self) -> list[str]:
-        return _ray().get([w.node_id.remote() for w in self.workers])
+        return self._all([w.node_id.remote() for w in self.workers], "node_id")
 
 
 class RayReference:
     """The reference actor behind ``batch_logprobs``."""
 
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
+    def __init__(self, actor: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.actor, self.timeout_s = actor, timeout_s
 
     def batch_logprobs(
         self, batch: PackedBatch, *, temperature: float, micro_batch_size: int
     ) -> torch.Tensor:
-        return _ray().get(self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size))
+        ref = self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size)
+        return call(ref, "reference actor (batch_logprobs)", self.timeout_s)
 
     def node_id(self) -> str:
-        return _ray().get(self.actor.node_id.remote())
+        return call(self.actor.node_id.remote(), "reference actor (node_id)", self.timeout_s)
 
 
 # --------------------------------------------------------------------------- assembly
@@ -481,13 +560,20 @@ class RayRoles:
     actors: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
+        """Kill every actor and free the placement group, whatever state the actors are in
+        (dead, hung); idempotent."""
         ray = _ray()
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
-        if self.placement is not None:
-            self.placement.remove()
-            self.placement = None  # type: ignore[assignment]
+        try:
+            for a in self.actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception as e:  # an actor already gone: nothing to free
+                    warnings.warn(f"closing a Ray actor failed: {type(e).__name__}: {e}", stacklevel=2)
+            self.actors = []
+        finally:
+            if self.placement is not None:
+                self.placement.remove()
+                self.placement = None  # type: ignore[assignment]
 
 
 def _gpus(cfg: Config) -> float:
@@ -545,18 +631,25 @@ def build_ray_roles(
         workers = [start(TrainWorker, s, s.index, len(train_slots)) for s in train_slots]
         rollouts = [start(RolloutWorker, s, model_ref, tokenizer) for s in plan.slots("rollout")]
         ref_actor = [start(ReferenceWorker, s, model_ref, tokenizer) for s in plan.slots("reference")]
-        addr, port = ray.get(workers[0].address.remote())
-        ray.get([w.setup.remote(model_ref, tokenizer, addr, port) for w in workers])
-        ray.get([a.node_id.remote() for a in rollouts + ref_actor])  # constructors done
+        t = cfg.ray.timeout_s
+        addr, port = call(workers[0].address.remote(), "train rank 0 (address)", t)
+        setup = [w.setup.remote(model_ref, tokenizer, addr, port) for w in workers]
+        call(setup, [f"train rank {r} (setup)" for r in range(len(workers))], t)
+        names = [f"rollout actor {i} (start)" for i in range(len(rollouts))] + [
+            "reference actor (start)"
+        ] * len(ref_actor)
+        call([a.node_id.remote() for a in rollouts + ref_actor], names, t)  # constructors done
     except BaseException:
         for a in actors:
             ray.kill(a, no_restart=True)
         placement.remove()
         raise
     return RayRoles(
-        rollout=RayRolloutGroup(rollouts, prompts_per_request=cfg.rollout.prompts_per_request),
-        train=RayTrainGroup(workers),
-        reference=RayReference(ref_actor[0]) if ref_actor else None,
+        rollout=RayRolloutGroup(
+            rollouts, prompts_per_request=cfg.rollout.prompts_per_request, timeout_s=cfg.ray.timeout_s
+        ),
+        train=RayTrainGroup(workers, timeout_s=cfg.ray.timeout_s),
+        reference=RayReference(ref_actor[0], timeout_s=cfg.ray.timeout_s) if ref_actor else None,
         tokenizer=tokenizer,
         placement=placement,
         actors=actors,
