@@ -193,7 +193,7 @@ class TailBatchingConfig:
 @dataclass
 class AsyncConfig:
     """Asynchronous training (ROLL Flash): rollout keeps generating into a
-    :class:`rollkit.buffer.SampleBuffer` while the trainer trains (:mod:`trainers.async_trainer`)."""
+    :class:`rollkit.buffer.SampleBuffer` while the trainer trains (:mod:`trainers.loops.asynchronous`)."""
 
     enabled: bool = False
     ratio: float = 1.0  # async ratio alpha: samples started by policies at most ceil(alpha) versions old
@@ -204,6 +204,11 @@ class AsyncConfig:
     # recompute the batch's log-probs under the trainer's weights before the update (the
     # proximal policy); the rollout's become behavior_logprobs (decoupled PPO / TIS / CISPO / TOPR)
     recompute_logprobs: bool = True
+    # a reproducible schedule: the producer runs in the trainer's thread until a batch is ready,
+    # then exactly overlap_steps scheduler steps while the trainer trains (scores gathered every
+    # step), so a run, and a resumed run, are bit-identical for the same seeds (one process)
+    deterministic: bool = False
+    overlap_steps: int = 4
 
 
 @dataclass
@@ -934,6 +939,12 @@ def validate_async(cfg: Config) -> None:
         raise ValueError(f"asynchronous.num_engines must be >= 1, got {ac.num_engines}")
     if ac.ratio < 0:
         raise ValueError(f"asynchronous.ratio must be >= 0, got {ac.ratio}")
+    _check_numbers([("asynchronous.overlap_steps", ac.overlap_steps, "int>=0")])
+    if ac.deterministic and cfg.ray.enabled:
+        raise ValueError(
+            "asynchronous.deterministic: the reproducible schedule runs the engines in this process; "
+            "Ray actors answer in their own time: set ray.enabled=false or asynchronous.deterministic=false"
+        )
 
 
 def validate_agentic(cfg: AgenticConfig) -> None:

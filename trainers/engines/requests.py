@@ -384,6 +384,15 @@ class HFRequestEngine(_RequestEngineBase):
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
         return [self._running.pop(i) for i in self._ids_to_abort(request_ids)]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's generator state (with nothing running, the whole state of the view)."""
+        if self._running:
+            raise RuntimeError(f"state_dict: {len(self._running)} requests are running; abort them first")
+        return {"generator": self._gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._gen.set_state(state["generator"])
+
 
 def as_request_engine(engine: Any, *, chunk_tokens: int = 16, seed: int = 0) -> RequestEngine:
     """The request-level view of a batch rollout engine: a :class:`VLLMRequestEngine` for a

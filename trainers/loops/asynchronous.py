@@ -195,9 +195,12 @@ class AsyncTrainer:
     def step(self) -> dict[str, float]:
         """Wait for a batch, train on it, then suspend -> update every engine -> resume."""
         cfg, timer, sch, n = self.cfg, Timer(), self.scheduler, self.global_step
+        ac = cfg.asynchronous
         t_start, tokens0 = time.perf_counter(), sch.counts["generated_tokens"]
-        with timer("wait"):
-            batch, _, stats = sch.wait_batch()
+        with timer("wait"):  # the producer generates meanwhile (deterministic: in this thread)
+            batch, _, stats = sch.run_until_batch() if ac.deterministic else sch.wait_batch()
+        if ac.deterministic:
+            sch.start_overlap(ac.overlap_steps)  # a fixed amount of generation while training
         k = cfg.rollout.n
         groups = [
             (
@@ -218,7 +221,8 @@ class AsyncTrainer:
         with timer("weight_sync"):
             weights = self.learner.export_weights()  # Ray: one object-store copy for every actor
             weights = weights if _is_object_ref(weights) else list(weights)
-            keep = cfg.asynchronous.in_flight == "keep"
+            sch.finish_overlap()
+            keep = ac.in_flight == "keep"
             metrics["async/stopped_in_flight"] = sch.update_weights(weights, n + 1, keep=keep)
         self.global_step += 1
         metrics.update(timer.metrics(t_start))
@@ -274,14 +278,18 @@ class AsyncTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """:func:`~trainers.loops.common.loop_state`, read with the producer suspended. The
-        buffer's in-flight requests are not saved: a resumed run starts generating afresh at its
-        step (the prompts that were in flight are not revisited in that epoch)."""
+        """:func:`~trainers.loops.common.loop_state`, the sample buffer, and the scheduler's groups in
+        flight (finished samples with their scores, and the requests stopped mid-way, which continue
+        after a resume), read with the producer suspended. The scheduler stops the running requests
+        to save them (they continue with their tokens, as at a weight update)."""
         sch, running = self.scheduler, self.scheduler.running
         if running:
             sch.pause()
         try:
-            return loop_state(self)
+            sch.finish_overlap()
+            sch.stop_in_flight(keep=True)
+            sch.settle_pending()
+            return {**loop_state(self), "buffer": self.buffer.state_dict(), "scheduler": sch.state_dict()}
         finally:
             if running:
                 sch.resume()
@@ -299,6 +307,9 @@ class AsyncTrainer:
             if e is not self._own_view:
                 e.update_weights(self.learner.export_weights(), version=self.global_step)
         self._new_scheduler()
+        if state.get("buffer") is not None:  # else: a fresh buffer at this version
+            self.buffer.load_state_dict(state["buffer"])
+            self.scheduler.load_state_dict(state["scheduler"])
 
     def close(self) -> None:
         """Stop the producer, abort the requests still running in the engines (so an engine passed

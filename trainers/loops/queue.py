@@ -99,6 +99,7 @@ class QueueScheduler:
         self._pause = self._parked = self._stop = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._overlap: threading.Thread | None = None
         self._admit_at = (-1, 0)  # (version, groups admitted at it): the seed index of the next group
         self.counts = dict.fromkeys(("filtered", "resubmitted", "restarted", "generated_tokens"), 0)
 
@@ -122,6 +123,9 @@ class QueueScheduler:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._overlap is not None:
+            self._overlap.join()
+            self._overlap = None
 
     def check(self) -> None:
         if self._error is not None:
@@ -205,14 +209,7 @@ class QueueScheduler:
     def _run(self) -> None:
         try:
             while self._wait_if_paused():
-                with self.cond:
-                    aborts, self._to_abort = self._to_abort, []
-                if aborts:
-                    self.drop(aborts)
-                busy = self._admit()
-                busy |= self._step_engines()
-                busy |= self._collect_scores()
-                if not busy:
+                if not self._iteration():
                     with self.cond:
                         if not (self._stop or self._pause or self._to_abort):
                             self.cond.wait(0.002)
@@ -220,6 +217,93 @@ class QueueScheduler:
             self._error = e
             with self.cond:
                 self.cond.notify_all()
+
+    def _iteration(self, *, gather: bool = False) -> bool:
+        """One producer step: drop expired groups, admit, step every engine, apply the scores
+        (``gather``: wait for every submitted one, as the deterministic schedule does; else the
+        ones that arrived). Returns whether anything happened."""
+        with self.cond:
+            aborts, self._to_abort = self._to_abort, []
+        if aborts:
+            self.drop(aborts)
+        busy = self._admit()
+        busy |= self._step_engines()
+        busy |= self._collect_scores(self.rewards.gather() if gather else None)
+        return busy
+
+    # ------------------------------------------------------------------ the deterministic schedule
+
+    def run_until_batch(self) -> tuple[Any, list[int], dict[str, Any]]:
+        """(Deterministic schedule; no producer thread.) Producer steps in this thread until the
+        buffer hands out a batch; returns what :meth:`wait_batch` returns."""
+        self.finish_overlap()
+        while True:
+            with self.cond:
+                batch = self.buffer.get_batch()
+            if batch is not None:
+                break
+            if not self._iteration(gather=True):
+                raise RuntimeError(
+                    f"async scheduler: nothing runs and no batch can be formed (buffer {self.buffer.stats()})"
+                )
+        with self.cond:
+            expiring = self.buffer.abort_expiring()
+            stats = self.buffer.stats()
+            self._to_abort += list(expiring)
+        return batch, expiring, stats
+
+    def start_overlap(self, steps: int) -> None:
+        """(Deterministic schedule.) Run ``steps`` producer steps on a thread (while the trainer
+        trains); :meth:`finish_overlap` waits for them. The work done is the same whatever the timing."""
+
+        def run() -> None:
+            try:
+                for _ in range(steps):
+                    if not self._iteration(gather=True):
+                        break
+            except BaseException as e:
+                self._error = e
+
+        self._overlap = threading.Thread(target=run, name="rollkit-rollout-overlap", daemon=True)
+        self._overlap.start()
+
+    def finish_overlap(self) -> None:
+        if self._overlap is not None:
+            self._overlap.join()
+            self._overlap = None
+        self.check()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """(Paused, nothing running in the engines.) The groups in flight with their finished
+        samples and scores, the stopped requests to continue, the admission index and counters,
+        and the engines' sampler states."""
+        running = sum(e.num_running for e in self.engines)
+        if running:
+            raise RuntimeError(f"state_dict: {running} requests are running; stop them first")
+        return {
+            "groups": dict(self.groups),
+            "resubmit": list(self.resubmit),
+            "to_abort": list(self._to_abort),
+            "admit_at": self._admit_at,
+            "counts": dict(self.counts),
+            "engines": [e.state_dict() if hasattr(e, "state_dict") else None for e in self.engines],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["engines"]) != len(self.engines):
+            raise ValueError(
+                f"checkpoint: {len(state['engines'])} rollout engines were saved, this trainer has {len(self.engines)}"
+            )
+        self.groups = dict(state["groups"])
+        self.resubmit = list(state["resubmit"])
+        self._to_abort = list(state["to_abort"])
+        self._admit_at = tuple(state["admit_at"])
+        self.counts = dict(state["counts"])
+        for e, es in zip(self.engines, state["engines"]):
+            if es is not None and hasattr(e, "load_state_dict"):
+                e.load_state_dict(es)
 
     def _wait_if_paused(self) -> bool:
         """Park while paused; False once stopped."""
