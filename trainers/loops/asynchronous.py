@@ -27,11 +27,10 @@ import torch
 from rollkit.buffer import SampleBuffer, staleness_metrics
 from rollkit.registry import POLICY_LOSSES
 from trainers.config import Config, validate, validate_async
-from trainers.data import Prompt, PromptIterator, build_prompts
+from trainers.data import Prompt
 from trainers.engines.requests import RequestEngine, as_request_engine
-from trainers.loops.collect import Group, RequestMaker
+from trainers.loops.collect import Group
 from trainers.loops.common import (
-    Codec,
     Timer,
     loop_state,
     read_checkpoint,
@@ -39,11 +38,11 @@ from trainers.loops.common import (
     run_fit,
     write_checkpoint,
 )
+from trainers.loops.parts import attach, build_parts
 from trainers.loops.queue import GroupFactory, QueueScheduler
 from trainers.loops.sync import greedy_accuracy
-from trainers.loops.update import GroupUpdate
 from trainers.ray import RayRequestEngine
-from trainers.roles import Roles, build_roles, close_all
+from trainers.roles import Roles, close_all
 
 __all__ = ["AsyncTrainer"]
 
@@ -139,27 +138,21 @@ class AsyncTrainer:
         validate(cfg)
         validate_async(cfg)
         self.cfg = cfg
-        self.roles = build_roles(
-            cfg,
-            rollout=rollout,
-            train=train,
-            tokenizer=tokenizer,
-            model=model,
-            reward_fn=reward_fn,
-            reference=reference,
+        attach(
+            self,
+            build_parts(
+                cfg,
+                train_prompts=train_prompts,
+                eval_prompts=eval_prompts,
+                rollout=rollout,
+                train=train,
+                tokenizer=tokenizer,
+                model=model,
+                reward_fn=reward_fn,
+                reference=reference,
+            ),
         )
         _warn_without_correction(cfg)
-        self.rollout, self.train, self.learner = self.roles.rollout, self.roles.train, self.roles.learner
-        self.tok, self.rewards = self.roles.tokenizer, self.roles.rewards
-        if train_prompts is None or eval_prompts is None:
-            tp, ep = build_prompts(cfg)
-            train_prompts = tp if train_prompts is None else train_prompts
-            eval_prompts = ep if eval_prompts is None else eval_prompts
-        self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
-        self.codec = Codec(self.tok, cfg.data.chat_template)
-        self.iterator = PromptIterator(train_prompts, seed=cfg.seed)
-        self.maker = RequestMaker(cfg)
-        self.update = GroupUpdate(cfg, self.roles, self.codec.pad_id)
         self.global_step = 0
         # the rollout role's request-level view (its weights follow the rollout role's)
         self._own_view = (

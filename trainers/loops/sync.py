@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from trainers.config import Config, validate
-from trainers.data import Prompt, PromptIterator, build_prompts
+from trainers.data import Prompt
 from trainers.engines.base import SamplingParams
-from trainers.loops.collect import GroupCollector, RequestMaker, TailCollector
+from trainers.loops.collect import GroupCollector, TailCollector
 from trainers.loops.common import (
     Codec,
     Timer,
@@ -30,8 +30,8 @@ from trainers.loops.common import (
     run_fit,
     write_checkpoint,
 )
-from trainers.loops.update import GroupUpdate
-from trainers.roles import Roles, build_roles
+from trainers.loops.parts import attach, build_parts
+from trainers.roles import Roles
 
 __all__ = ["SyncTrainer", "greedy_accuracy"]
 
@@ -84,34 +84,28 @@ class SyncTrainer:
     ) -> None:
         validate(cfg)
         self.cfg = cfg
-        self.roles = build_roles(
-            cfg,
-            rollout=rollout,
-            train=train,
-            tokenizer=tokenizer,
-            model=model,
-            reward_fn=reward_fn,
-            reference=reference,
+        attach(
+            self,
+            build_parts(
+                cfg,
+                train_prompts=train_prompts,
+                eval_prompts=eval_prompts,
+                rollout=rollout,
+                train=train,
+                tokenizer=tokenizer,
+                model=model,
+                reward_fn=reward_fn,
+                reference=reference,
+            ),
         )
-        self.rollout, self.train, self.learner = self.roles.rollout, self.roles.train, self.roles.learner
-        self.tok, self.rewards = self.roles.tokenizer, self.roles.rewards
-        if train_prompts is None or eval_prompts is None:
-            tp, ep = build_prompts(cfg)
-            train_prompts = tp if train_prompts is None else train_prompts
-            eval_prompts = ep if eval_prompts is None else eval_prompts
-        self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
-        self.codec = Codec(self.tok, cfg.data.chat_template)
-        self.iterator = PromptIterator(train_prompts, seed=cfg.seed)
-        self.maker = RequestMaker(cfg)
         self.tail = (
-            TailCollector(cfg, self.rollout, self.rewards, self.codec, train_prompts, self.maker)
+            TailCollector(cfg, self.rollout, self.rewards, self.codec, self.train_prompts, self.maker)
             if cfg.tail_batching.enabled
             else None
         )
         self.collector = self.tail or GroupCollector(
             cfg, self.rollout, self.rewards, self.codec, self.iterator, self.maker
         )
-        self.update = GroupUpdate(cfg, self.roles, self.codec.pad_id)
         self.global_step = 0
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
