@@ -22,6 +22,10 @@ key                    shape       dtype     meaning
 ``group_ids``          ``[B]``     int       prompt / trajectory group / state group id
 ``policy_version``     ``[B]``     int       weights version that started the sample
 =====================  ==========  ========  ==============================================
+
+Distillation (:mod:`rollkit.losses.distill`) reads the teacher's log-probs of the sampled
+tokens, ``teacher_logprobs`` ``[B, T]``, or its top-k, ``teacher_topk_logprobs`` (float) and
+``teacher_topk_ids`` (int), both ``[B, T, K]``.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ ENTROPY = "entropy"
 KL_LOSS = "kl_loss"
 ENTROPY_LOSS = "entropy_loss"
 VALUE_LOSS = "value_loss"
+# Distillation: the teacher's scores of the sampled tokens, or its top-k ([B, T, K]).
+TEACHER_LOGPROBS = "teacher_logprobs"
+TEACHER_TOPK_LOGPROBS = "teacher_topk_logprobs"
+TEACHER_TOPK_IDS = "teacher_topk_ids"
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,9 @@ SPECS: dict[str, KeySpec] = {
         KeySpec(KL_LOSS, ("B", "T"), "float", "per-token KL loss term"),
         KeySpec(ENTROPY_LOSS, ("B", "T"), "float", "per-token entropy bonus term"),
         KeySpec(VALUE_LOSS, ("B", "T"), "float", "per-token critic loss"),
+        KeySpec(TEACHER_LOGPROBS, ("B", "T"), "float", "teacher log-probs of the sampled tokens"),
+        KeySpec(TEACHER_TOPK_LOGPROBS, ("B", "T", "K"), "float", "teacher's top-k log-probs"),
+        KeySpec(TEACHER_TOPK_IDS, ("B", "T", "K"), "int", "token ids of the teacher's top-k"),
     )
 }
 
@@ -154,6 +165,9 @@ __all__ = [
     "REWARDS",
     "SPECS",
     "STEP_IDS",
+    "TEACHER_LOGPROBS",
+    "TEACHER_TOPK_IDS",
+    "TEACHER_TOPK_LOGPROBS",
     "TOKEN_REWARDS",
     "VALUES",
     "VALUE_LOSS",
