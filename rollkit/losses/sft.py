@@ -56,9 +56,9 @@ def sft_nll(
     >>> out.loss
     tensor([[1., 2., 0.],
             [3., 0., 0.]], grad_fn=<WhereBackward0>)
-    >>> float(aggregate(out.loss, m, "token-mean"))            # (1 + 2 + 3) / 3
+    >>> aggregate(out.loss, m, "token-mean").item()            # (1 + 2 + 3) / 3
     2.0
-    >>> float(aggregate(out.loss, m, "seq-mean-token-mean"))   # (1.5 + 3) / 2
+    >>> aggregate(out.loss, m, "seq-mean-token-mean").item()   # (1.5 + 3) / 2
     2.25
     """
     check_token_tensors(mask, logprobs=logprobs)
