@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"metrics: {out['metrics_file']}")
     print(f"tensorboard: {out['tensorboard_dir'] or 'off (pip install tensorboard)'}")
     print(f"plot: {out['plot'] or 'none (pip install matplotlib)'}")
+    print(f"model: {out['model_dir'] or 'not saved (logging.save_model=false)'}")
+    print(f"config: {out['config_file']}")
     return out
 
 

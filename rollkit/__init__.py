@@ -1,7 +1,8 @@
 """rollkit: reinforcement-learning building blocks for LLM post-training.
 
 Pure functions over tensors and TensorDict batches: advantage estimators, policy losses,
-KL / entropy terms, loss aggregation, reward shaping, dynamic-sampling filters.
+KL / entropy terms, loss aggregation, reward shaping, dynamic-sampling filters, the
+training-inference mismatch correction, token log-probs with the sampling replay.
 
 Submodules are imported lazily, so ``import rollkit`` costs next to nothing; ``rollkit.ops``
 etc. load (with torch) on first access::
@@ -20,8 +21,10 @@ __version__ = "0.1.0"
 _SUBMODULES = (
     "advantages",
     "buffer",
+    "correction",
     "filters",
     "keys",
+    "logprobs",
     "losses",
     "ops",
     "registry",

@@ -135,6 +135,12 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 0
     micro_batch_size: int = 8
+    # > 0: micro-batches packed longest-first up to this many computed tokens (rows x (prompt
+    # width + longest response)) instead of micro_batch_size rows; the gradient is the same
+    max_tokens_per_micro_batch: int = 0
+    # > 0: log-probs and entropy without the [B, T, V] logits (rollkit.logprobs.lean_token_logprobs),
+    # this many positions per chunk (torch engine; DeepSpeed ZeRO 0-2)
+    logprob_chunk_tokens: int = 0
     # group each rank's rows into micro-batches by response length (long-tail batches pad less;
     # the gradient is the same sum up to float rounding)
     sort_by_length: bool = False
@@ -154,6 +160,26 @@ class KLConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    """``algorithm.correction``: the training-inference mismatch correction of
+    :mod:`rollkit.correction` (docs/correction.md), the same for the sync, async and agentic
+    loops. Three policies: behaviour (the rollout engine's log-probs), old / proximal (the
+    trainer's recomputation before the update) and current."""
+
+    # recompute the old log-probs on the trainer before the update (verl's default), so the PPO
+    # ratio never mixes in the engine's numerics; the engine's log-probs become the behaviour
+    # ones. Implied by level != "off". (Asynchronous runs: asynchronous.recompute_logprobs.)
+    recompute_old: bool = False
+    level: str = "off"  # "off", "token", "sequence", "geometric" or "segment" (agentic: per turn)
+    truncate: float = 2.0  # cap C of the weight pi_old / mu (TIS); 0: no truncation
+    mask_low: float = 0.0  # rejection: drop tokens (rows) whose weight is below this; 0: off
+    mask_high: float = 0.0  # ... or above this; 0: off
+    seq_k3_max: float = 0.0  # rejection of rows whose mean K3 divergence exceeds this; 0: off
+    reject: str = "token"  # level=token: "token" drops the token, "sequence" the whole row
+    metrics: bool = True  # mismatch/* every step (behaviour vs the trainer's log-probs)
+
+
+@dataclass
 class AlgorithmConfig:
     """The rollkit primitives, chosen by registry name, and their keyword arguments."""
 
@@ -165,6 +191,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     reward_normalizer: bool = False  # running reward standardisation before the advantages
     kl: KLConfig = field(default_factory=KLConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
 @dataclass
@@ -319,6 +346,7 @@ class LoggingConfig:
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+    save_model: bool = True  # the trained policy as a HF model directory: <dir>/model (and per checkpoint)
 
 
 @dataclass
@@ -653,6 +681,14 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def save_config(cfg: Any, path: str | Path) -> Path:
+    """Write the resolved config as YAML (``--config`` reads it back: the same run)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_yaml().safe_dump(config_to_dict(cfg), sort_keys=False))
+    return path
+
+
 def _help_rows(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     rows = []
     for f in dataclasses.fields(obj):
@@ -748,6 +784,8 @@ def _check_common(cfg: Any) -> None:
             ("train.ppo_epochs", t.ppo_epochs, "int>=1"),
             ("train.mini_batch_size", t.mini_batch_size, "int>=0"),
             ("train.micro_batch_size", t.micro_batch_size, "int>=1"),
+            ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, "int>=0"),
+            ("train.logprob_chunk_tokens", t.logprob_chunk_tokens, "int>=0"),
             ("rollout.temperature", r.temperature, ">0"),
             ("rollout.top_p", r.top_p, "(0,1]"),
             ("rollout.max_tokens", r.max_tokens, "int>=1"),
@@ -761,6 +799,11 @@ def _check_common(cfg: Any) -> None:
         raise ValueError(f"rollout.top_k must be -1 or 0 (off) or a positive int, got {r.top_k!r}")
     if r.max_batch_size is not None:
         _check_numbers([("rollout.max_batch_size", r.max_batch_size, "int>=1")])
+    if t.logprob_chunk_tokens and t.engine == "deepspeed" and t.zero_stage == 3:
+        raise ValueError(
+            "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "
+            "with train.engine=deepspeed use train.zero_stage <= 2 (or logprob_chunk_tokens=0)"
+        )
     if t.autocast in ("bfloat16", "float16") and t.engine != "torch":
         raise ValueError(
             f"train.autocast={t.autocast} applies to the torch engine; with "
@@ -774,6 +817,7 @@ def _check_common(cfg: Any) -> None:
             ("algorithm.kl.estimator", KL_ESTIMATORS, a.kl.estimator),
         ]
     )
+    _check_correction(a)
     _check_model_path(cfg.model.path)
 
 
@@ -794,6 +838,38 @@ def _check_inputs(name: str, entry: Any, available: tuple[str, ...], where: str)
     if need:
         raise ValueError(
             f"{name}={entry.name!r} needs {need}, which {where} does not provide (it has {list(available)})"
+        )
+
+
+#: Policy losses that weight by ``behavior_logprobs`` themselves (a second correction would double it).
+SELF_CORRECTING_LOSSES = ("tis", "decoupled-ppo")
+
+
+def _check_correction(a: AlgorithmConfig) -> None:
+    """``algorithm.correction``: names, bounds, and no double correction."""
+    c = a.correction
+    for name, v, allowed in (
+        ("algorithm.correction.level", c.level, ("off", "token", "sequence", "geometric", "segment")),
+        ("algorithm.correction.reject", c.reject, ("token", "sequence")),
+    ):
+        if v not in allowed:
+            raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {v!r}")
+    _check_numbers(
+        [
+            ("algorithm.correction.truncate", c.truncate, ">=0"),
+            ("algorithm.correction.mask_low", c.mask_low, ">=0"),
+            ("algorithm.correction.mask_high", c.mask_high, ">=0"),
+            ("algorithm.correction.seq_k3_max", c.seq_k3_max, ">=0"),
+        ]
+    )
+    if c.mask_high and c.mask_low > c.mask_high:
+        raise ValueError(
+            f"algorithm.correction.mask_low ({c.mask_low:g}) must be <= mask_high ({c.mask_high:g})"
+        )
+    if c.level != "off" and POLICY_LOSSES.entry(a.policy_loss).name in SELF_CORRECTING_LOSSES:
+        raise ValueError(
+            f"algorithm.correction.level={c.level}: algorithm.policy_loss={a.policy_loss!r} already weights "
+            "by the behaviour log-probs; use a loss without its own correction (e.g. ppo) or level=off"
         )
 
 

@@ -15,10 +15,12 @@ import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rollkit.correction import correction_weights, mismatch_stats, reduce_mismatch_stats
 from rollkit.losses import aggregate, global_normalizers
 from rollkit.registry import POLICY_LOSSES, REGULARIZERS, Entry
 from trainers.config import Config
@@ -30,6 +32,11 @@ __all__ = [
     "LocalLearner",
     "UpdateSpec",
     "UpdateStats",
+    "apply_correction",
+    "loss_mask",
+    "micro_batches",
+    "needs_recompute",
+    "pack_by_tokens",
     "nll_loss",
     "ppo_update",
     "supervised_warmup",
@@ -52,7 +59,11 @@ class UpdateSpec:
     mini_batch_size: int = 0  # 0: the whole batch
     micro_batch_size: int = 8
     sort_by_length: bool = False  # micro-batches of similar response lengths (less padding)
+    max_tokens_per_micro_batch: int = 0  # > 0: pack micro-batches by this token budget instead
     logprob_gap: bool = False  # report train/logprob_gap: mean |log pi_theta - behaviour| (on-policy ~ 0)
+    top_k: int = -1  # the rollout's truncation, replayed on the trainer's logits
+    top_p: float = 1.0
+    mismatch: bool = False  # report mismatch/*: behaviour vs the trainer's log-probs before the update
 
     @classmethod
     def from_config(cls, cfg: Any) -> UpdateSpec:
@@ -71,6 +82,10 @@ class UpdateSpec:
             mini_batch_size=t.mini_batch_size,
             micro_batch_size=t.micro_batch_size,
             sort_by_length=t.sort_by_length,
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            top_k=cfg.rollout.top_k,
+            top_p=cfg.rollout.top_p,
+            mismatch=a.correction.metrics,
         )
 
 
@@ -82,6 +97,8 @@ class UpdateStats:
 
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    # rollkit.correction.mismatch_stats of the micro-batches before the first optimizer step
+    mismatch: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
     def add(self, key: str, value: float, weight: float = 1.0) -> None:
         self.sums[key] += value
@@ -90,10 +107,56 @@ class UpdateStats:
     def merge(self, other: UpdateStats) -> UpdateStats:
         for k, v in other.sums.items():
             self.add(k, v, other.counts[k])
+        self.mismatch.extend(other.mismatch)
         return self
 
     def metrics(self) -> dict[str, float]:
-        return {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+        out = {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+        if self.mismatch:
+            out.update({f"mismatch/{k}": float(v) for k, v in reduce_mismatch_stats(self.mismatch).items()})
+        return out
+
+
+def loss_mask(batch: PackedBatch) -> torch.Tensor:
+    """``[B, T]`` the tokens the loss trains on: the response, minus those the mismatch
+    correction rejected (``batch.keep``). The global normalisers count these tokens."""
+    return batch.response_mask if batch.keep is None else batch.response_mask & batch.keep
+
+
+def needs_recompute(correction: Any) -> bool:
+    """Whether ``algorithm.correction`` needs the old log-probs recomputed on the trainer."""
+    return bool(correction.recompute_old) or correction.level != "off"
+
+
+def apply_correction(
+    batch: PackedBatch, correction: Any, segment_ids: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Set ``batch.is_weights`` / ``batch.keep`` from ``algorithm.correction`` (a
+    :class:`~trainers.config.CorrectionConfig`) with :func:`rollkit.correction.correction_weights`
+    of the trainer's old log-probs against the behaviour ones; returns ``correction/*`` metrics.
+    Nothing to do when the level is ``"off"`` or the batch has no separate behaviour log-probs.
+    ``segment_ids`` (``[B, T]``, level ``"segment"``): the turn of each token; without them
+    the whole response is one segment."""
+    c = correction
+    if c.level == "off" or batch.behavior_logprobs is None:
+        return {}
+    mask = batch.response_mask
+    if c.level == "segment" and segment_ids is None:
+        segment_ids = torch.zeros_like(mask, dtype=torch.long)
+    out = correction_weights(
+        batch.old_logprobs,
+        batch.behavior_logprobs,
+        mask,
+        level=c.level,
+        segment_ids=segment_ids,
+        truncate=c.truncate or None,
+        mask_low=c.mask_low or None,
+        mask_high=c.mask_high or None,
+        seq_k3_max=c.seq_k3_max or None,
+        reject=c.reject,
+    )
+    batch.is_weights, batch.keep = out.weights, out.keep
+    return {f"correction/{k}": float(v) for k, v in out.metrics.items()}
 
 
 def _micro_batch_loss(
@@ -107,10 +170,16 @@ def _micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor, torch.Tensor]:
     """``(loss, loss metrics, log-probs, entropy)`` of one micro-batch: the policy loss (+ the
     entropy and KL terms), each aggregated with the mini-batch's global normalisers."""
-    mask = mb.response_mask
     lp, ent = engine.logprobs(
-        mb.input_ids, mb.attention_mask, mask, temperature=spec.temperature, with_entropy=True
+        mb.input_ids,
+        mb.attention_mask,
+        mb.response_mask,
+        temperature=spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
+        with_entropy=True,
     )
+    mask = loss_mask(mb)
     avail = {
         "logprobs": lp,
         "old_logprobs": mb.old_logprobs,
@@ -119,7 +188,8 @@ def _micro_batch_loss(
         "response_mask": mask,
     }
     out = loss_entry.call(avail, **spec.policy_loss_kwargs)
-    loss = aggregate(out.loss, mask, spec.aggregation, **norms)
+    pg = out.loss if mb.is_weights is None else out.loss * mb.is_weights
+    loss = aggregate(pg, mask, spec.aggregation, **norms)
     if spec.entropy_coef:
         e = REGULARIZERS.get("entropy")(ent, mask, coef=spec.entropy_coef)
         loss = loss + aggregate(e.loss, mask, spec.aggregation, **norms)
@@ -165,27 +235,24 @@ def ppo_update(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     loss_entry = POLICY_LOSSES.entry(spec.policy_loss)
-    mask = batch.response_mask
-    B, mbs = mask.shape[0], spec.micro_batch_size
+    mask = loss_mask(batch)
+    B = mask.shape[0]
     mini = spec.mini_batch_size or B
     gen = torch.Generator().manual_seed(seed)
     stats = UpdateStats()
-    for _ in range(spec.ppo_epochs):
+    for epoch in range(spec.ppo_epochs):
         order = torch.randperm(B, generator=gen) if spec.ppo_epochs > 1 or mini < B else torch.arange(B)
         for m0 in range(0, B, mini):
             rows_m = order[m0 : m0 + mini]
             local = rows_m.tensor_split(world_size)[rank]
-            if spec.sort_by_length:  # same rows, same gradient sum; each micro-batch pads less
-                local = local[torch.argsort(mask[local].sum(-1), stable=True)]
             norms = global_normalizers(mask[local])
-            n_micro = math.ceil(math.ceil(len(rows_m) / world_size) / mbs)
-            for u in range(n_micro):
-                rows = local[u * mbs : (u + 1) * mbs]
+            for rows in micro_batches(batch, rows_m, spec, rank=rank, world_size=world_size):
                 pad = len(rows) == 0  # this rank's share ran out: a masked row keeps collectives aligned
                 rows = rows_m[:1] if pad else rows
                 mb = batch[rows]
                 if pad:
                     mb.response_mask = torch.zeros_like(mb.response_mask)
+                    mb.keep = None
                 ref = None if ref_logprobs is None else ref_logprobs[rows]
                 loss, loss_metrics, lp, ent = _micro_batch_loss(
                     engine, mb, advantages[rows], ref, spec, loss_entry, norms
@@ -193,10 +260,69 @@ def ppo_update(
                 engine.backward(loss)
                 if not pad:
                     _add_micro_batch_stats(stats, mb, loss_metrics, lp, ent, spec)
+                    _add_padding_stats(stats, mb)
+                    if spec.mismatch and epoch == 0 and m0 == 0:  # the weights that sampled (sync)
+                        behavior = mb.old_logprobs if mb.behavior_logprobs is None else mb.behavior_logprobs
+                        stats.mismatch.append(mismatch_stats(lp.detach(), behavior, mb.response_mask))
             for k, v in engine.step().items():
                 if rank == 0:
                     stats.add(f"optim/{k}", v)
     return stats
+
+
+def pack_by_tokens(
+    rows: torch.Tensor, response_len: torch.Tensor, prompt_len: int, budget: int
+) -> list[torch.Tensor]:
+    """``rows`` packed into micro-batches of at most ``budget`` computed tokens, longest
+    response first: a micro-batch of ``b`` rows costs ``b * (prompt_len + its longest
+    response)`` tokens (the tensor the forward runs on: the batch's prompt width, the
+    micro-batch's longest response). A row over the budget on its own is a micro-batch alone.
+
+    >>> pack_by_tokens(torch.arange(4), torch.tensor([6, 1, 2, 6]), 2, 16)
+    [tensor([0, 3]), tensor([2, 1])]
+    """
+    order = rows[torch.argsort(response_len[rows], descending=True, stable=True)]
+    out: list[list[int]] = []
+    width = 0
+    for r in order.tolist():
+        if out and (len(out[-1]) + 1) * width <= budget:
+            out[-1].append(r)
+        else:
+            out.append([r])
+            width = prompt_len + int(response_len[r])
+    return [torch.tensor(mb, dtype=torch.long) for mb in out]
+
+
+def micro_batches(
+    batch: PackedBatch, rows_m: torch.Tensor, spec: UpdateSpec, *, rank: int = 0, world_size: int = 1
+) -> list[torch.Tensor]:
+    """This rank's micro-batches (row indices) of the mini-batch ``rows_m``: its contiguous
+    share ``rows_m.tensor_split(world_size)[rank]`` in micro-batches of ``micro_batch_size`` rows
+    (sorted by response length with ``sort_by_length``), or packed by
+    ``max_tokens_per_micro_batch`` (:func:`pack_by_tokens`). Every rank gets as many micro-batches
+    as the rank with the most (empty ones where its share ran out), so collectives stay aligned."""
+    resp = batch.response_mask.sum(-1)
+    shares = rows_m.tensor_split(world_size)
+    if spec.max_tokens_per_micro_batch:
+        plans = [pack_by_tokens(s, resp, batch.prompt_len, spec.max_tokens_per_micro_batch) for s in shares]
+        n, mine = max(len(p) for p in plans), plans[rank]
+    else:
+        mbs, local = spec.micro_batch_size, shares[rank]
+        if spec.sort_by_length:  # same rows, same gradient sum; each micro-batch pads less
+            local = local[torch.argsort(resp[local], stable=True)]
+        n = math.ceil(math.ceil(len(rows_m) / world_size) / mbs)
+        mine = [local[u * mbs : (u + 1) * mbs] for u in range(n)]
+        mine = [m for m in mine if len(m)]
+    return mine + [torch.zeros(0, dtype=torch.long)] * (n - len(mine))
+
+
+def _add_padding_stats(stats: UpdateStats, mb: PackedBatch) -> None:
+    """``train/padding_frac``: the share of the computed tokens (rows x (prompt width + longest
+    response)) that are padding."""
+    resp = mb.response_mask.sum(-1)
+    computed = mb.response_mask.shape[0] * (mb.prompt_len + int(resp.max()))
+    real = int(mb.attention_mask[:, : mb.prompt_len].sum()) + int(resp.sum())
+    stats.add("train/padding_frac", float(computed - real), float(computed))
 
 
 def _add_micro_batch_stats(
@@ -228,6 +354,8 @@ class Learner(Protocol):
 
     def export_weights(self) -> Any: ...
 
+    def save_model(self, path: str | Path, tokenizer: Any = None) -> Path: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -248,6 +376,10 @@ class LocalLearner:
 
     def export_weights(self) -> Any:
         return self.engine.export_weights()
+
+    def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
+        """The trained policy as a Hugging Face model directory (the engine's ``save_model``)."""
+        return self.engine.save_model(path, tokenizer)
 
     def state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict()

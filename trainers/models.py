@@ -165,12 +165,21 @@ def tiny_qwen2(
     return model.to(dtype).eval()
 
 
-def save_model(model: Any, tokenizer: Any, path: str | os.PathLike) -> Path:
-    """``save_pretrained`` of the model (safetensors) and the tokenizer into ``path``; returns it."""
+def save_model(
+    model: Any, tokenizer: Any, path: str | os.PathLike, *, state_dict: dict[str, Any] | None = None
+) -> Path:
+    """``save_pretrained`` of the model (safetensors) and the tokenizer into ``path``; returns it.
+    ``state_dict``: the weights to write instead of the module's own (e.g. gathered from ZeRO-3
+    shards); the module gives the architecture and config. Loadable by
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and by vLLM."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if state_dict is None:
+        model.save_pretrained(path)
+    else:
+        model.save_pretrained(path, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
 
 

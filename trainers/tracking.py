@@ -138,7 +138,9 @@ class Tracker:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
+        mismatch = any(k.startswith("mismatch/") for r in self.history for k in r)
+        fig, axes = plt.subplots(1, 2 if mismatch else 1, figsize=(12 if mismatch else 6, 4), squeeze=False)
+        ax = axes[0][0]
         for key, label in (("reward/mean", "train reward"), ("eval/accuracy", "held-out accuracy")):
             pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
             if pts:
@@ -147,10 +149,32 @@ class Tracker:
         ax.set_ylim(-0.02, 1.02)
         ax.legend()
         ax.grid(alpha=0.3)
+        if mismatch:
+            self._plot_mismatch(axes[0][1])
         path = self.dir / "curves.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)
         return path
+
+    def _plot_mismatch(self, ax: Any) -> None:
+        """The training-inference mismatch per step (docs/correction.md), log scale."""
+        for key in ("mismatch/k3", "mismatch/ratio_out_0.9_1.1", "correction/masked_token_frac"):
+            pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None and r[key] > 0]
+            if pts:
+                ax.plot(*zip(*pts), label=key)
+        pts = [
+            (r["step"], 1 - r["mismatch/ess_frac"])
+            for r in self.history
+            if r.get("mismatch/ess_frac") is not None
+        ]
+        if any(v > 0 for _, v in pts):
+            ax.plot(*zip(*pts), label="1 - mismatch/ess_frac")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.set_title("behaviour vs trainer log-probs")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
 
     def _finish(self, name: str) -> None:
         run = self.backends.pop(name, None)

@@ -162,9 +162,13 @@ class TrainEngine(Protocol):
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        top_k: int = -1,
+        top_p: float = 1.0,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T]`` log-probs of the response tokens (0 where ``response_mask`` is False),
-        and the ``[B, T]`` entropies of the tempered distribution if ``with_entropy``."""
+        and the ``[B, T]`` entropies if ``with_entropy``, of the rollout's processed
+        distribution: tempered, and with ``top_k > 0`` / ``top_p < 1`` the same truncation the
+        rollout engine applied (replayed on the trainer's logits, :mod:`rollkit.logprobs`)."""
         ...
 
     def backward(self, loss: Tensor) -> None:
@@ -199,8 +203,11 @@ class PackedBatch:
     ``old_logprobs`` and ``prompt_index`` are filled by :func:`pack_generations`.
     ``behavior_logprobs`` is set when the policy that sampled the tokens differs from the
     one the PPO ratio is taken against (asynchronous training with recomputed proximal
-    log-probs, :mod:`trainers.async_trainer`): then ``old_logprobs`` are the proximal policy's
+    log-probs, :mod:`trainers.loops.asynchronous`): then ``old_logprobs`` are the proximal policy's
     and ``behavior_logprobs`` the rollout's; ``None`` means they are the same.
+    ``is_weights`` / ``keep`` are the mismatch correction's per-token weights and the tokens it
+    did not reject (:func:`rollkit.correction.correction_weights`): the learner multiplies the
+    policy loss by the weights and trains only the kept tokens.
     """
 
     input_ids: Tensor  # [B, P + T] long
@@ -210,6 +217,8 @@ class PackedBatch:
     old_logprobs: Tensor | None = None  # [B, T] float32, 0 outside the response
     prompt_index: Tensor | None = None  # [B] long
     behavior_logprobs: Tensor | None = None  # [B, T] float32; None: the same as old_logprobs
+    is_weights: Tensor | None = None  # [B, T] mismatch-correction weights (rollkit.correction); None: 1
+    keep: Tensor | None = None  # [B, T] bool: tokens the correction kept in the loss; None: all
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -226,6 +235,8 @@ class PackedBatch:
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[rows],
             prompt_index=None if self.prompt_index is None else self.prompt_index[rows],
             behavior_logprobs=None if self.behavior_logprobs is None else self.behavior_logprobs[rows],
+            is_weights=None if self.is_weights is None else self.is_weights[rows],
+            keep=None if self.keep is None else self.keep[rows],
         )
 
 
@@ -303,16 +314,24 @@ def pack_generations(
 
 
 @torch.no_grad()
-def batch_logprobs(policy: Any, batch: PackedBatch, *, temperature: float, micro_batch_size: int) -> Tensor:
+def batch_logprobs(
+    policy: Any,
+    batch: PackedBatch,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    top_k: int = -1,
+    top_p: float = 1.0,
+) -> Tensor:
     """The ``[B, T]`` log-probs of a packed batch under ``policy``, without gradients: its own
     ``batch_logprobs`` when it has one (a Ray reference actor or train group), else its
-    TrainEngine ``logprobs`` over micro-batches of ``micro_batch_size`` rows."""
+    TrainEngine ``logprobs`` over micro-batches of ``micro_batch_size`` rows (``top_k`` /
+    ``top_p``: the rollout's truncation, replayed)."""
+    kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     if hasattr(policy, "batch_logprobs"):
-        return policy.batch_logprobs(batch, temperature=temperature, micro_batch_size=micro_batch_size)
+        return policy.batch_logprobs(batch, micro_batch_size=micro_batch_size, **kw)
     out = []
     for i in range(0, batch.input_ids.shape[0], micro_batch_size):
         mb = batch[i : i + micro_batch_size]
-        out.append(
-            policy.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, temperature=temperature)
-        )
+        out.append(policy.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw))
     return torch.cat(out)

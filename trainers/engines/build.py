@@ -187,6 +187,7 @@ def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
         dtype=dtype,
         device=device,
     )
+    kw["logprob_chunk_tokens"] = t.logprob_chunk_tokens
     if t.engine == "torch":
         return TorchTrainEngine(model, autocast=train_autocast(cfg, device), **kw)
     if t.engine == "deepspeed":

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ from torch import Tensor
 
 from trainers.deps import require
 from trainers.engines.torch_train import response_logprobs
+from trainers.models import save_model
 
 __all__ = ["DeepSpeedTrainEngine", "build_ds_config", "import_deepspeed"]
 
@@ -264,6 +266,8 @@ class DeepSpeedTrainEngine:
             optimizer; fp16 with dynamic loss scaling). Log-probs are float32 either way.
         device: ``"cpu"`` or ``"cuda"`` (DeepSpeed places the model on ``cuda:LOCAL_RANK``).
         gradient_checkpointing: recompute activations in the backward (non-reentrant).
+        logprob_chunk_tokens: ``> 0``: the memory-lean log-probs of
+            :func:`trainers.engines.torch_train.response_logprobs` (ZeRO 0-2).
         share_prompts: run each distinct prompt of a micro-batch once (as
             :func:`~trainers.engines.torch_train.response_logits`); off under checkpointing.
         ds_config: a DeepSpeed config dict merged over :func:`build_ds_config` (e.g.
@@ -291,10 +295,23 @@ class DeepSpeedTrainEngine:
         gradient_checkpointing: bool = False,
         share_prompts: bool = True,
         ds_config: dict[str, Any] | None = None,
+        logprob_chunk_tokens: int = 0,
     ) -> None:
         device = _check_args(
             model, zero_stage, lr, weight_decay, grad_clip, dtype, optimizer, optimizer_factory, device
         )
+        if (
+            isinstance(logprob_chunk_tokens, bool)
+            or not isinstance(logprob_chunk_tokens, int)
+            or logprob_chunk_tokens < 0
+        ):
+            raise ValueError(f"logprob_chunk_tokens must be an int >= 0, got {logprob_chunk_tokens!r}")
+        if logprob_chunk_tokens and zero_stage == 3:
+            raise ValueError(
+                "logprob_chunk_tokens: the memory-lean log-probs apply the LM head outside its module's "
+                "forward, where ZeRO-3 keeps the weight partitioned; use zero_stage <= 2 or logprob_chunk_tokens=0"
+            )
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         # ZeRO-0 in fp32 steps the torch optimizer as it is, and DeepSpeed would clip without
         # reporting the norm: the engine clips itself there (see _pre_step_hook).
         self._plain = zero_stage == 0 and dtype == torch.float32
@@ -352,10 +369,12 @@ class DeepSpeedTrainEngine:
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        top_k: int = -1,
+        top_p: float = 1.0,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T]`` float32 log-probs of the response tokens (the last ``T`` columns), 0
         where ``response_mask`` is False; with ``with_entropy`` also the ``[B, T]`` entropy of
-        the tempered distribution. Same definition as ``TorchTrainEngine.logprobs``; the
+        the processed distribution. Same definition as ``TorchTrainEngine.logprobs``; the
         forward runs through the DeepSpeed engine (ZeRO-3 gathers each layer's weights)."""
         return response_logprobs(
             self.engine,
@@ -364,8 +383,11 @@ class DeepSpeedTrainEngine:
             response_mask,
             temperature=temperature,
             with_entropy=with_entropy,
+            top_k=top_k,
+            top_p=top_p,
             share_prompts=self.share_prompts and not self._ckpt,
             device=self.device,
+            chunk_tokens=self.logprob_chunk_tokens,
         )
 
     def backward(self, loss: Tensor) -> None:
@@ -449,6 +471,14 @@ class DeepSpeedTrainEngine:
             size += n
         if group:
             yield group
+
+    def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
+        """The policy as a Hugging Face model directory, written by rank 0 from the gathered
+        weights (:meth:`export_weights`; ZeRO-3: every rank must call this)."""
+        weights = {k: v.clone() for k, v in self.export_weights()}
+        if self.rank == 0:
+            save_model(self.engine.module, tokenizer, path, state_dict=weights)
+        return Path(path)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(name, full tensor)`` for every parameter, named as in the model's ``state_dict``

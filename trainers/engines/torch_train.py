@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from rollkit.logprobs import lean_token_logprobs
+from rollkit.logprobs import token_logprobs as replay_logprobs
 from rollkit.losses import entropy_from_logits
 from trainers.engines.base import position_ids_from_mask
+from trainers.models import save_model
 
-__all__ = ["TorchTrainEngine", "response_logits", "response_logprobs", "token_logprobs"]
+__all__ = ["TorchTrainEngine", "response_hidden", "response_logits", "response_logprobs", "token_logprobs"]
 
 
 def token_logprobs(
@@ -115,6 +119,33 @@ def response_logits(
     return out.logits[:, :-1]
 
 
+def response_hidden(
+    model: Any,
+    input_ids: Tensor,  # [B, P + T]
+    attention_mask: Tensor,  # [B, P + T]
+    T: int,
+) -> tuple[Tensor, Any]:  # [B, T, H], the LM head module
+    """The final hidden states that predict the ``T`` response tokens (positions ``P - 1 + t``)
+    and the LM head, for :func:`rollkit.logprobs.lean_token_logprobs`: one forward of the
+    decoder (``get_decoder()`` of a Hugging Face causal LM; a DeepSpeed engine's ``module``),
+    no logits."""
+    hf = getattr(model, "module", model)
+    get_decoder, get_head = getattr(hf, "get_decoder", None), getattr(hf, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None or get_head() is None:
+        raise ValueError(
+            f"train.logprob_chunk_tokens: {type(hf).__name__} has no get_decoder() / get_output_embeddings() "
+            "(a Hugging Face causal LM); set train.logprob_chunk_tokens=0"
+        )
+    out = get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    L = input_ids.shape[1]
+    return out.last_hidden_state[:, L - T - 1 : L - 1], get_head()
+
+
 def response_logprobs(
     model: Any,
     input_ids: Tensor,  # [B, L]
@@ -123,9 +154,12 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    top_k: int = -1,
+    top_p: float = 1.0,
     share_prompts: bool = True,
     autocast: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    chunk_tokens: int = 0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The training engines' ``logprobs``: ``[B, T]`` float32 log-probs of the response tokens
     (the last ``T`` columns of ``input_ids``), 0 where ``response_mask`` is False, and with
@@ -136,6 +170,18 @@ def response_logprobs(
     engine), under ``torch.autocast(autocast)`` when ``autocast`` is a dtype. Response columns
     past the longest response of these rows are not computed (long-tail batches are padded
     to the batch's longest response; a micro-batch of short ones costs only their length).
+
+    With ``top_k > 0`` or ``top_p < 1`` the rollout's truncation is replayed on these logits
+    (:func:`rollkit.logprobs.token_logprobs`): the log-probs and entropy are those of the
+    processed distribution the rollout engine sampled from and reported, so that an on-policy
+    ratio is 1 (without the replay it is the kept mass ``Z < 1``).
+
+    ``chunk_tokens > 0``: the memory-lean path. The decoder's final hidden states go through
+    :func:`rollkit.logprobs.lean_token_logprobs` with the LM head's weight, ``chunk_tokens``
+    positions at a time (the backward recomputes each chunk's logits), so the ``[B, T, V]``
+    logits never exist: peak extra memory ``O(chunk_tokens x V)``. Same values and gradients up
+    to float rounding (the LM head is applied in float32, also under autocast); no prompt
+    sharing on this path.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -160,9 +206,12 @@ def response_logprobs(
             response_mask[:, :T_used],
             temperature=temperature,
             with_entropy=with_entropy,
+            top_k=top_k,
+            top_p=top_p,
             share_prompts=share_prompts,
             autocast=autocast,
             device=device,
+            chunk_tokens=chunk_tokens,
         )
         pad = (0, T - T_used)
         if with_entropy:
@@ -170,8 +219,31 @@ def response_logprobs(
         return torch.nn.functional.pad(out, pad)
     input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
     mask = response_mask.to(dev, dtype=torch.bool)
+    tokens = input_ids[:, L - T :]
+    if chunk_tokens > 0:
+        with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            hidden, head = response_hidden(model, input_ids, attention_mask, T)
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy}
+        out = lean_token_logprobs(
+            hidden, head.weight, tokens, bias=head.bias, chunk_tokens=chunk_tokens, **sampling
+        )
+        if not with_entropy:
+            return out.masked_fill(~mask, 0.0)
+        return out[0].masked_fill(~mask, 0.0), out[1].masked_fill(~mask, 0.0)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts)
+    if 0 < top_k < logits.shape[-1] or top_p < 1.0:
+        out = replay_logprobs(
+            logits,
+            input_ids[:, L - T :],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            with_entropy=with_entropy,
+        )
+        if not with_entropy:
+            return out.masked_fill(~mask, 0.0)
+        return out[0].masked_fill(~mask, 0.0), out[1].masked_fill(~mask, 0.0)
     lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
     if not with_entropy:
         return lp
@@ -206,6 +278,8 @@ class TorchTrainEngine:
             with ``n`` samples per prompt the prompt tokens cost ``1/n`` as much, forward and
             backward, for the same log-probs and gradients. Off under gradient checkpointing.
         process_group: the data-parallel group (default: the world, if initialised).
+        logprob_chunk_tokens: ``> 0``: log-probs and entropy through the memory-lean path of
+            :func:`response_logprobs` (no ``[B, T, V]`` logits), that many positions per chunk.
 
     A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
     ``metrics["skipped"] == 1``).
@@ -227,6 +301,7 @@ class TorchTrainEngine:
         autocast: torch.dtype | None = None,
         share_prompts: bool = True,
         process_group: Any = None,
+        logprob_chunk_tokens: int = 0,
     ) -> None:
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
@@ -234,6 +309,13 @@ class TorchTrainEngine:
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype)
         self.share_prompts = share_prompts
+        if (
+            isinstance(logprob_chunk_tokens, bool)
+            or not isinstance(logprob_chunk_tokens, int)
+            or logprob_chunk_tokens < 0
+        ):
+            raise ValueError(f"logprob_chunk_tokens must be an int >= 0, got {logprob_chunk_tokens!r}")
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         self._ckpt = gradient_checkpointing
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -252,9 +334,10 @@ class TorchTrainEngine:
         self.global_step = 0
         dist = torch.distributed
         self._group = process_group
-        self._world = 1
+        self._world, self._rank = 1, 0
         if dist.is_available() and dist.is_initialized():
             self._world = dist.get_world_size(process_group)
+            self._rank = dist.get_rank(process_group)
         if self._world > 1:
             src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
             with torch.no_grad():
@@ -275,6 +358,8 @@ class TorchTrainEngine:
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        top_k: int = -1,
+        top_p: float = 1.0,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T]`` float32 log-probs of the response tokens, the last ``T`` columns.
 
@@ -283,7 +368,8 @@ class TorchTrainEngine:
         False. Only the last ``T + 1`` positions go through the LM head. With
         ``with_entropy``, also the ``[B, T]`` entropy of the tempered distribution (with
         gradient; 0 outside the mask). ``temperature`` must be the rollout's to compare with
-        its log-probs. Runs with gradients unless called under ``torch.no_grad()``.
+        its log-probs, and ``top_k`` / ``top_p`` its truncation (replayed, see
+        :func:`response_logprobs`). Runs with gradients unless called under ``torch.no_grad()``.
         """
         return response_logprobs(
             self.model,
@@ -292,9 +378,12 @@ class TorchTrainEngine:
             response_mask,
             temperature=temperature,
             with_entropy=with_entropy,
+            top_k=top_k,
+            top_p=top_p,
             share_prompts=self.share_prompts and not self._ckpt,
             autocast=self.autocast,
             device=self.device,
+            chunk_tokens=self.logprob_chunk_tokens,
         )
 
     def backward(self, loss: Tensor) -> None:
@@ -353,6 +442,13 @@ class TorchTrainEngine:
         return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
 
     # ------------------------------------------------------------------ weights / checkpoints
+
+    def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
+        """The policy as a Hugging Face model directory (``save_pretrained`` of the model and
+        ``tokenizer``), written by rank 0 (:func:`trainers.models.save_model`)."""
+        if self._rank == 0:
+            save_model(self.model, tokenizer, path)
+        return Path(path)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(name, tensor)`` for every parameter, named as in the model's ``state_dict``.

@@ -28,15 +28,15 @@ import torch
 from rollkit.advantages import anchor_state_index
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.trajectory import TrajectoryBatch
-from trainers.config import AgenticConfig, validate_agentic
+from trainers.config import AgenticConfig, save_config, validate_agentic
 from trainers.deps import require
-from trainers.engines.base import PackedBatch, SamplingParams
+from trainers.engines.base import PackedBatch, SamplingParams, batch_logprobs
 from trainers.engines.build import build_engines
 from trainers.envs.base import extract_boxed
 from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
-from trainers.learner import UpdateSpec, nll_loss, ppo_update
+from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, ppo_update
 from trainers.tracking import Tracker
 
 __all__ = ["AgenticTrainer", "build_agentic_engines", "plot_history"]
@@ -238,7 +238,8 @@ class AgenticTrainer:
         batch = result.to_batch(max_context=cfg.env.max_context, pad_token_id=self.pad_id)
         adv, adv_metrics = trajectory_advantages(self.adv_entry, batch, cfg.algorithm.advantage_kwargs)
         metrics.update(adv_metrics)
-        # the one PPO update; the old log-probs are the rollout's (behaviour) ones
+        # the one PPO update; the old log-probs are the rollout's (behaviour) ones, or the
+        # trainer's recomputation with the mismatch correction (algorithm.correction)
         t1 = time.perf_counter()
         L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
         packed = PackedBatch(
@@ -248,6 +249,19 @@ class AgenticTrainer:
             L - T,
             old_logprobs=batch.behavior_logprobs,
         )
+        corr = cfg.algorithm.correction
+        if needs_recompute(corr):
+            r = cfg.rollout
+            old = batch_logprobs(
+                self.train,
+                packed,
+                temperature=r.temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+                micro_batch_size=cfg.train.micro_batch_size,
+            )
+            packed.behavior_logprobs, packed.old_logprobs = packed.old_logprobs, old * packed.response_mask
+            metrics.update(apply_correction(packed, corr, segment_ids=batch.step_ids))
         stats = ppo_update(self.train, packed, adv, self.spec, seed=cfg.seed * 7919 + self.version)
         metrics.update(stats.metrics())
         t_train = time.perf_counter() - t1
@@ -357,6 +371,7 @@ class AgenticTrainer:
         cfg = self.cfg
         total = cfg.train.steps if steps is None else steps
         tracker = Tracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, plot=False)
+        save_config(cfg, tracker.dir / "config.yaml")
         for note in tracker.notes:
             print(f"[rollkit] {note}")
         if cfg.warmup.steps:
@@ -386,6 +401,7 @@ class AgenticTrainer:
         tracker.log(self.version, after)
         plot = plot_history(tracker.history, tracker.dir / "curves.png") if cfg.logging.plot else None
         tracker.close()
+        model_dir = self.train.save_model(tracker.dir / "model", self.tok) if cfg.logging.save_model else None
         steps_run = self.version - start
         return {
             "success_before": None if before is None else before["eval/success_rate"],
@@ -395,6 +411,8 @@ class AgenticTrainer:
             "seconds_per_step": train_time / max(steps_run, 1),
             "metrics_file": str(tracker.jsonl),
             "plot": None if plot is None else str(plot),
+            "model_dir": None if model_dir is None else str(model_dir),
+            "config_file": str(tracker.dir / "config.yaml"),
             "history": tracker.history,
         }
 

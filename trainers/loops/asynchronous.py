@@ -56,12 +56,14 @@ def _warn_without_correction(cfg: Config) -> None:
     uses = sorted(
         k for k in POLICY_LOSSES.names() if "behavior_logprobs" in POLICY_LOSSES.entry(k).in_keys.values()
     )
-    if ac.ratio > 0 and ac.recompute_logprobs and cfg.algorithm.policy_loss not in uses:
+    corrected = cfg.algorithm.correction.level != "off"
+    if ac.ratio > 0 and ac.recompute_logprobs and cfg.algorithm.policy_loss not in uses and not corrected:
         warnings.warn(
             f"algorithm.policy_loss={cfg.algorithm.policy_loss!r} ignores behavior_logprobs: with "
             f"asynchronous.ratio={ac.ratio:g} stale samples are trained without an importance "
             "correction (measured: held-out accuracy fell where decoupled-ppo kept it; docs/async.md). "
-            "Losses that use them: " + ", ".join(uses),
+            "Set algorithm.correction.level (docs/correction.md) or use a loss that uses them: "
+            + ", ".join(uses),
             stacklevel=3,
         )
 
@@ -286,6 +288,10 @@ class AsyncTrainer:
         finally:
             if running:
                 sch.resume()
+
+    def save_model(self, path: str | Path) -> Path:
+        """The trained policy and tokenizer as a Hugging Face model directory at ``path``."""
+        return self.learner.save_model(path, self.tok)
 
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
         return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.global_step)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trainers.config import save_config
 from trainers.data import Prompt, encode_prompt
 from trainers.tracking import Tracker
 
@@ -152,6 +153,8 @@ class Loop(Protocol):
 
     def save_checkpoint(self) -> Path: ...
 
+    def save_model(self, path: str | Path) -> Path: ...
+
     def load_checkpoint(self, path: str | Path) -> None: ...
 
 
@@ -176,6 +179,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     total = cfg.train.steps if steps is None else steps
     lg = cfg.logging
     tracker = Tracker(lg.dir, tensorboard=lg.tensorboard, plot=lg.plot, resume_step=resume_step)
+    save_config(cfg, tracker.dir / "config.yaml")
     for note in tracker.notes:
         print(f"[rollkit] {note}")
     before = None
@@ -193,7 +197,9 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         if lg.progress:
             print(line(k, total, m), flush=True)
         if cfg.checkpoint.dir and cfg.checkpoint.every and k % cfg.checkpoint.every == 0:
-            loop.save_checkpoint()
+            step_dir = loop.save_checkpoint()
+            if lg.save_model:
+                loop.save_model(step_dir / "model")
     train_time = time.perf_counter() - t0
     after = loop.evaluate()
     tracker.log(loop.global_step, after)
@@ -201,6 +207,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     tracker.close()
     if cfg.checkpoint.dir:
         loop.save_checkpoint()
+    model_dir = loop.save_model(tracker.dir / "model") if lg.save_model else None
     steps_run = loop.global_step - start
     tb = tracker.dir / "tb"
     return {
@@ -212,6 +219,8 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         "metrics_file": str(tracker.jsonl),
         "tensorboard_dir": None if tracker.tb is None and not tb.exists() else str(tb),
         "plot": None if plot is None else str(plot),
+        "model_dir": None if model_dir is None else str(model_dir),
+        "config_file": str(tracker.dir / "config.yaml"),
         "notes": tracker.notes,
         "history": tracker.history,
     }

@@ -151,6 +151,10 @@ class SyncTrainer:
         if self.tail is not None and state.get("tail") is not None:  # else the queue starts empty
             self.tail.load_state_dict(state["tail"])
 
+    def save_model(self, path: str | Path) -> Path:
+        """The trained policy and tokenizer as a Hugging Face model directory at ``path``."""
+        return self.learner.save_model(path, self.tok)
+
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
         """Write ``<checkpoint.dir>/step_<k>/trainer.pt``; returns the step directory."""
         return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.global_step)

@@ -2,9 +2,10 @@
 
 :class:`GroupUpdate` takes the kept groups ``(prompt, n generations, n rewards)`` and runs::
 
-    pack (the rollout's log-probs are the old ones) -> [proximal recompute] -> [reference log-probs,
-    KL as a reward penalty or a loss term] -> [running reward normalisation] -> advantages (registry
-    name) -> [colocated rollout sleeps] -> the learner's PPO update (every train rank)
+    pack (the rollout's log-probs are the old ones) -> [old / proximal recompute on the trainer,
+    mismatch correction weights] -> [reference log-probs, KL as a reward penalty or a loss term]
+    -> [running reward normalisation] -> advantages (registry name) -> [colocated rollout sleeps]
+    -> the learner's PPO update (every train rank)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rollkit.registry import ADVANTAGE_ESTIMATORS, REGULARIZERS
 from rollkit.rewards import RunningRewardNormalizer
 from trainers.config import Config
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
+from trainers.learner import apply_correction, needs_recompute
 from trainers.loops.collect import Group
 from trainers.loops.common import Timer
 from trainers.roles import Roles
@@ -40,15 +42,17 @@ class GroupUpdate:
     ) -> dict[str, float]:
         """Train on ``groups`` at ``step``; returns the update's metrics. ``recompute``: take the
         old log-probs from the trainer's current weights (the proximal policy) and keep the
-        rollout's as ``behavior_logprobs`` (asynchronous training with stale samples)."""
+        rollout's as ``behavior_logprobs`` (asynchronous training with stale samples); also done
+        when ``algorithm.correction`` asks for it (``recompute_old``, or a correction level)."""
         cfg, a, n = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
         batch = pack_generations([g for _, gs, _ in groups for g in gs], self.pad_id)
-        if recompute:
+        metrics: dict[str, float] = {}
+        if recompute or needs_recompute(a.correction):
             self.recompute_proximal(batch, timer)
+            metrics.update(apply_correction(batch, a.correction))
         mask = batch.response_mask
         group_ids = torch.arange(len(groups)).repeat_interleave(n)
         rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
-        metrics: dict[str, float] = {}
         ref_lp = None
         if self.roles.reference is not None:
             with timer("reference"):
@@ -87,10 +91,13 @@ class GroupUpdate:
         return metrics
 
     def _logprobs(self, policy: Any, batch: PackedBatch) -> torch.Tensor:
+        r = self.cfg.rollout
         return batch_logprobs(
             policy,
             batch,
-            temperature=self.cfg.rollout.temperature,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
             micro_batch_size=self.cfg.train.micro_batch_size,
         )
 
@@ -100,8 +107,9 @@ class GroupUpdate:
         policy = getattr(learner, "engine", learner)  # in process: the engine; on Ray: the train group
         if not hasattr(policy, "logprobs") and not hasattr(policy, "batch_logprobs"):
             raise ValueError(
-                "asynchronous.recompute_logprobs: the learner has neither an in-process train engine "
-                "nor batch_logprobs; set asynchronous.recompute_logprobs=false"
+                "asynchronous.recompute_logprobs / algorithm.correction: the learner has neither an in-process "
+                "train engine nor batch_logprobs; set asynchronous.recompute_logprobs=false and "
+                "algorithm.correction.level=off, recompute_old=false"
             )
         with timer("recompute"):
             proximal = self._logprobs(policy, batch)

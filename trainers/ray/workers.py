@@ -46,6 +46,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -254,16 +255,33 @@ class TrainWorker:
             rank=self.rank,
             world_size=self.world_size,
         )
-        return dict(stats.sums), dict(stats.counts)
+        return dict(stats.sums), dict(stats.counts), stats.mismatch
 
     @torch.no_grad()
     def batch_logprobs(
-        self, batch: PackedBatch, temperature: float, micro_batch_size: int
+        self,
+        batch: PackedBatch,
+        temperature: float,
+        micro_batch_size: int,
+        top_k: int = -1,
+        top_p: float = 1.0,
     ) -> torch.Tensor | None:
         """The current policy's log-probs of the whole batch (every rank runs the same forwards,
         as ZeRO-3's parameter gathering needs); rank 0 returns them."""
-        out = batch_logprobs(self.engine, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+        out = batch_logprobs(
+            self.engine,
+            batch,
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+            top_k=top_k,
+            top_p=top_p,
+        )
         return out if self.rank == 0 else None
+
+    def save_model(self, path: str, tokenizer: Any) -> str:
+        """Rank 0 writes the policy as a Hugging Face model directory on its node (every rank
+        takes part: ZeRO-3 gathers collectively)."""
+        return str(self.engine.save_model(path, tokenizer))
 
     def export_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         weights = list(self.engine.export_weights())  # every rank: ZeRO-3 gathers collectively
@@ -290,8 +308,22 @@ class ReferenceWorker:
         self.engine.model.eval().requires_grad_(False)
 
     @torch.no_grad()
-    def batch_logprobs(self, batch: PackedBatch, temperature: float, micro_batch_size: int) -> torch.Tensor:
-        return batch_logprobs(self.engine, batch, temperature=temperature, micro_batch_size=micro_batch_size)
+    def batch_logprobs(
+        self,
+        batch: PackedBatch,
+        temperature: float,
+        micro_batch_size: int,
+        top_k: int = -1,
+        top_p: float = 1.0,
+    ) -> torch.Tensor:
+        return batch_logprobs(
+            self.engine,
+            batch,
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+            top_k=top_k,
+            top_p=top_p,
+        )
 
     def node_id(self) -> str:
         return _node_id()
@@ -490,8 +522,10 @@ class RayTrainGroup:
         ray = _ray()
         payload = ray.put({"batch": batch, "advantages": advantages, "ref_logprobs": ref_logprobs})
         total = UpdateStats()
-        for sums, counts in self._all([w.update.remote(payload, seed) for w in self.workers], "update"):
-            part = UpdateStats()
+        for sums, counts, mismatch in self._all(
+            [w.update.remote(payload, seed) for w in self.workers], "update"
+        ):
+            part = UpdateStats(mismatch=list(mismatch))
             part.sums.update(sums)
             part.counts.update(counts)
             total.merge(part)
@@ -504,14 +538,28 @@ class RayTrainGroup:
         return refs[0]
 
     def batch_logprobs(
-        self, batch: PackedBatch, *, temperature: float, micro_batch_size: int
+        self,
+        batch: PackedBatch,
+        *,
+        temperature: float,
+        micro_batch_size: int,
+        top_k: int = -1,
+        top_p: float = 1.0,
     ) -> torch.Tensor:
-        """The train policy's current log-probs of ``batch`` (the asynchronous trainer's proximal
-        recompute), computed by every rank, returned by rank 0."""
+        """The train policy's current log-probs of ``batch`` (the proximal recompute), computed
+        by every rank, returned by rank 0."""
         ray = _ray()
         ref = ray.put(batch)
-        refs = [w.batch_logprobs.remote(ref, temperature, micro_batch_size) for w in self.workers]
+        refs = [
+            w.batch_logprobs.remote(ref, temperature, micro_batch_size, top_k, top_p) for w in self.workers
+        ]
         return self._all(refs, "batch_logprobs")[0]
+
+    def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
+        """The policy as a Hugging Face model directory, written by rank 0 on its node (the
+        driver's filesystem when they share one, as on one machine)."""
+        self._all([w.save_model.remote(str(path), tokenizer) for w in self.workers], "save_model")
+        return Path(path)
 
     def weights(self) -> list[tuple[str, torch.Tensor]]:
         """Rank 0's weights, fetched here."""
@@ -536,9 +584,15 @@ class RayReference:
         self.actor, self.timeout_s = actor, timeout_s
 
     def batch_logprobs(
-        self, batch: PackedBatch, *, temperature: float, micro_batch_size: int
+        self,
+        batch: PackedBatch,
+        *,
+        temperature: float,
+        micro_batch_size: int,
+        top_k: int = -1,
+        top_p: float = 1.0,
     ) -> torch.Tensor:
-        ref = self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size)
+        ref = self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size, top_k, top_p)
         return call(ref, "reference actor (batch_logprobs)", self.timeout_s)
 
     def node_id(self) -> str:
