@@ -458,6 +458,7 @@ class AgenticConfig:
     algorithm: AlgorithmConfig = field(default_factory=_agentic_algorithm)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     eval: AgenticEvalConfig = field(default_factory=AgenticEvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=_agentic_logging)
     seed: int = 0
 
@@ -964,15 +965,21 @@ def validate(cfg: Config) -> None:
     _check_algorithm(c)
     _check_data(c)
     parse_length_dist(c.rollout.length_dist)
-    if c.checkpoint.resume and c.checkpoint.resume != "auto" and not Path(c.checkpoint.resume).exists():
-        raise ValueError(f"checkpoint.resume: no such checkpoint: {c.checkpoint.resume}")
-    if c.checkpoint.resume == "auto" and not c.checkpoint.dir:
-        raise ValueError(
-            "checkpoint.resume=auto: set checkpoint.dir (where to look for the latest checkpoint)"
-        )
+    _check_checkpoint(c)
     _check_tail_batching(c)
     if c.asynchronous.enabled:
         validate_async(c)
+
+
+def _check_checkpoint(c: Any) -> None:
+    ck = c.checkpoint
+    _check_numbers([("checkpoint.every", ck.every, "int>=0")])
+    if ck.resume and ck.resume != "auto" and not Path(ck.resume).exists():
+        raise ValueError(f"checkpoint.resume: no such checkpoint: {ck.resume}")
+    if ck.resume == "auto" and not ck.dir:
+        raise ValueError(
+            "checkpoint.resume=auto: set checkpoint.dir (where to look for the latest checkpoint)"
+        )
 
 
 def _check_tail_batching(c: Config) -> None:
@@ -1026,6 +1033,7 @@ def validate_async(cfg: Config) -> None:
 def validate_agentic(cfg: AgenticConfig) -> None:
     """Check an :class:`AgenticConfig`; a bad value raises ``ValueError`` naming its field."""
     r, a = cfg.rollout, cfg.algorithm
+    _check_checkpoint(cfg)
     for name, v in (
         ("rollout.groups_per_step", r.groups_per_step),
         ("rollout.group_size", r.group_size),

@@ -9,7 +9,6 @@ directly. See ``docs/agentic.md``.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 import time
 from collections import deque
@@ -83,8 +82,7 @@ class GenerationServer:
         self._engine_lock = threading.Lock()
         self._cv = threading.Condition()
         self._queue: deque[_Request] = deque()
-        self._direct_calls = itertools.count()  # seeds of the lock-step path (generate)
-        self._async_calls = itertools.count()  # seeds of the asynchronous path (submit)
+        self._calls = {"direct": 0, "async": 0}  # seeds of the lock-step (generate) and submit paths
         self._thread: threading.Thread | None = None
         self._closed = False
         #: ``calls`` (engine calls), ``requests``, ``cancelled`` (dropped before generation)
@@ -93,6 +91,19 @@ class GenerationServer:
     @property
     def policy_version(self) -> int:
         return int(getattr(self.engine, "policy_version", 0))
+
+    def _next(self, path: str) -> int:
+        """The index of this engine call on ``path`` (called under the engine lock)."""
+        i = self._calls[path]
+        self._calls[path] = i + 1
+        return i
+
+    def state_dict(self) -> dict[str, int]:
+        """The seed counters of both paths (a resumed run continues the lock-step seeds)."""
+        return dict(self._calls)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._calls = {"direct": int(state["direct"]), "async": int(state["async"])}
 
     def _seeded(self, params: SamplingParams, offset: int) -> SamplingParams:
         """``params`` for one engine call (taken under the engine lock); ``offset`` is the
@@ -171,7 +182,7 @@ class GenerationServer:
                 with self._engine_lock:
                     gens = self.engine.generate(
                         [r.context for r in batch],
-                        self._seeded(batch[0].params, ASYNC_SEED_OFFSET + next(self._async_calls)),
+                        self._seeded(batch[0].params, ASYNC_SEED_OFFSET + self._next("async")),
                     )
                 for r, g in zip(batch, gens):
                     r.future.set_result(_cut(g, r.room))
@@ -189,7 +200,7 @@ class GenerationServer:
         to its ``rooms`` entry."""
         with self._engine_lock:
             gens = self.engine.generate(
-                [list(c) for c in contexts], self._seeded(params, next(self._direct_calls))
+                [list(c) for c in contexts], self._seeded(params, self._next("direct"))
             )
         rooms = rooms if rooms is not None else [params.max_tokens] * len(gens)
         return [_cut(g, r) for g, r in zip(gens, rooms)]

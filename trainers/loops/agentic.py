@@ -37,6 +37,7 @@ from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
 from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, ppo_update
+from trainers.loops.common import read_checkpoint, write_checkpoint
 from trainers.tracking import Tracker
 
 __all__ = ["AgenticTrainer", "build_agentic_engines", "plot_history"]
@@ -352,6 +353,41 @@ class AgenticTrainer:
 
     # ------------------------------------------------------------------ fit
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Policy version, train engine (weights, optimizer, scheduler), the task-seed and
+        sampling-seed streams (the generation server's call counters), the global RNGs. A batch being collected in the background
+        (``rollout.max_staleness``) is not saved: the resumed run collects it again."""
+        return {
+            "version": self.version,
+            "train": self.train.state_dict(),
+            "seeds": self._seeds.getstate(),
+            "calls": self._calls,
+            "server": self.rollout.server.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train.load_state_dict(state["train"])
+        self.version, self._calls = int(state["version"]), int(state["calls"])
+        self._seeds.setstate(state["seeds"])
+        self.rollout.server.load_state_dict(state["server"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+    def save_checkpoint(self, directory: str | Path | None = None) -> Path:
+        """Write ``<checkpoint.dir>/step_<version>/trainer.pt``; returns the step directory."""
+        self._drain()
+        return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.version)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore a checkpoint (a ``step_<k>`` directory, or ``"auto"``: the latest under
+        ``checkpoint.dir``) and push its weights to the rollout engine."""
+        self._drain()
+        self.load_state_dict(read_checkpoint(path, self.cfg.checkpoint.dir))
+        self.rollout.server.update_weights(self.train.export_weights(), self.version)
+
     def _progress(self, k: int, total: int, m: dict[str, float]) -> str:
         ev = f" eval {m['eval/success_rate']:.3f}" if "eval/success_rate" in m else ""
         return (
@@ -370,17 +406,26 @@ class AgenticTrainer:
         (``curves.png``); returns a summary."""
         cfg = self.cfg
         total = cfg.train.steps if steps is None else steps
-        tracker = Tracker(cfg.logging.dir, tensorboard=cfg.logging.tensorboard, plot=False)
+        resumed = bool(cfg.checkpoint.resume)
+        if resumed:
+            self.load_checkpoint(cfg.checkpoint.resume)
+            total = max(total - self.version, 0)  # train.steps counts from the start of the run
+        tracker = Tracker(
+            cfg.logging.dir,
+            tensorboard=cfg.logging.tensorboard,
+            plot=False,
+            resume_step=self.version if resumed else None,
+        )
         save_config(cfg, tracker.dir / "config.yaml")
         for note in tracker.notes:
             print(f"[rollkit] {note}")
-        if cfg.warmup.steps:
+        if cfg.warmup.steps and not resumed:
             t = time.perf_counter()
             loss = self.warmup()
             print(f"[warmup] {cfg.warmup.steps} steps, last loss {loss:.3f} ({time.perf_counter() - t:.0f}s)")
         self.prestart()
         before = None
-        if cfg.eval.before:
+        if cfg.eval.before and not resumed:
             before = self.evaluate()
             tracker.log(0, before)
             print(f"[eval] step 0 greedy success rate {before['eval/success_rate']:.3f}", flush=True)
@@ -395,12 +440,16 @@ class AgenticTrainer:
                 on_step(k, m)
             if cfg.logging.progress:
                 print(self._progress(k, start + total, m), flush=True)
+            if cfg.checkpoint.dir and cfg.checkpoint.every and k % cfg.checkpoint.every == 0:
+                self.save_checkpoint()
         train_time = time.perf_counter() - t0
         self._drain()
         after = self.evaluate()
         tracker.log(self.version, after)
         plot = plot_history(tracker.history, tracker.dir / "curves.png") if cfg.logging.plot else None
         tracker.close()
+        if cfg.checkpoint.dir:
+            self.save_checkpoint()
         model_dir = self.train.save_model(tracker.dir / "model", self.tok) if cfg.logging.save_model else None
         steps_run = self.version - start
         return {
