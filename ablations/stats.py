@@ -1,6 +1,6 @@
 """Statistics of an ablation: the Student-t confidence interval of a mean over seeds, and the
 normalised area under a learning curve. The t quantile is scipy's (``pip install
-'rollkit[ablate]'``). See docs/ablations.md.
+'rollkit-rl[ablate]'``). See docs/ablations.md.
 
 >>> round(t_quantile(0.975, 2), 3)
 4.303

