@@ -197,7 +197,7 @@ def test_missing_torchrl_gives_install_hint(monkeypatch):
     rt._build_class.cache_clear()
     monkeypatch.setitem(sys.modules, "torchrl.objectives", None)
     try:
-        with pytest.raises(ImportError, match=r"pip install 'rollkit\[torchrl\]'"):
+        with pytest.raises(ImportError, match=r"pip install 'rollkit-rl\[torchrl\]'"):
             rt.RollkitLossModule  # noqa: B018
     finally:
         monkeypatch.undo()
