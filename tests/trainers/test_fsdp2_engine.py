@@ -318,6 +318,8 @@ def _worker(rank, port, out_dir, b):
             if name == "adamw":
                 state = eng.state_dict()  # full state, the same on both ranks
                 out["state-keys"] = sorted(state["model"])
+                if rank == 0:
+                    torch.save(state, os.path.join(out_dir, "state.pt"))
                 eng.save_model(os.path.join(out_dir, "policy"), tok)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -327,13 +329,14 @@ def _worker(rank, port, out_dir, b):
 @pytest.mark.slow
 def test_two_ranks_equal_single_process_full_batch(tok, batch, tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path), batch), nprocs=WORLD, join=True)
-    refs = {}
+    refs, ref_engines = {}, {}
     for name, kw in TWO_RANK_RUNS.items():
         ref = TorchTrainEngine(
             tiny_qwen2(tok, seed=0), **{k: v for k, v in kw.items() if k != "reshard_after_forward"}
         )
         micro_backward(ref, batch, [slice(0, 12)])
         refs[name] = (ref.step(), weights(ref))
+        ref_engines[name] = ref
     outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert outs[0]["state-keys"] == outs[1]["state-keys"]
     for name in TWO_RANK_RUNS:
@@ -346,3 +349,14 @@ def test_two_ranks_equal_single_process_full_batch(tok, batch, tmp_path):
         assert_weights_close(w0, expected, atol=SGD_ATOL if name == "sgd" else ADAM_ATOL)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert_weights_close(dict(loaded.named_parameters()), outs[0]["adamw"][1], atol=0)
+    # The full checkpoint of the 2 ranks resumes in one process: same weights, and the next
+    # step (AdamW moments restored) equals the reference's uninterrupted second step (the
+    # first step's ADAM_ATOL differences carry over; the second adds at most as much).
+    one = fsdp_engine(tok, seed=5, **TWO_RANK_RUNS["adamw"])
+    one.load_state_dict(torch.load(tmp_path / "state.pt"))
+    assert one.global_step == 1
+    assert_weights_close(weights(one), outs[0]["adamw"][1], atol=0)
+    for e in (one, ref_engines["adamw"]):
+        micro_backward(e, batch, [slice(0, 12)])
+        e.step()
+    assert_weights_close(weights(one), weights(ref_engines["adamw"]), atol=2 * ADAM_ATOL)
