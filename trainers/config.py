@@ -347,6 +347,11 @@ class LoggingConfig:
     plot: bool = True
     progress: bool = True
     save_model: bool = True  # the trained policy as a HF model directory: <dir>/model (and per checkpoint)
+    wandb: bool = False  # Weights & Biases (offline unless logging.online): <dir>/wandb
+    swanlab: bool = False  # SwanLab (offline unless logging.online)
+    online: bool = False  # let W&B / SwanLab sync to their servers
+    project: str = "rollkit"  # the W&B / SwanLab project
+    run_name: str = ""  # "" : the trackers' own naming
 
 
 @dataclass

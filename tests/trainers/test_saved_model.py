@@ -91,3 +91,29 @@ def test_deepspeed_zero3_saves_the_gathered_weights(tmp_path):
     eng.save_model(tmp_path / "m", tok)
     saved, _ = _load(tmp_path / "m")
     assert all(torch.equal(saved[k], full[k]) for k in full) and all(v.numel() > 0 for v in saved.values())
+
+
+def test_trackers_progress_and_config_from_the_config(tmp_path, capsys):
+    """logging.wandb (offline) and TensorBoard get the run, TensorBoard the config as text; a
+    progress bar with a time estimate for training and evaluation goes to stderr, the step lines
+    to stdout."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(
+        [*BASE, f"logging.dir={tmp_path}", "train.steps=2", "logging.progress=true", "logging.tensorboard=true",
+         "logging.wandb=true", "logging.run_name=t1", "logging.save_model=false", "eval.before=true"]
+    )  # fmt: skip
+    tok = char_tokenizer()
+    model = tiny_qwen2(tok, seed=0)
+    with SyncTrainer(cfg, rollout=HFRolloutEngine(copy.deepcopy(model), tok), train=TorchTrainEngine(model),
+                     tokenizer=tok) as tr:  # fmt: skip
+        out = tr.fit()
+    assert out["steps"] == 2
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline W&B run"
+    ev = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
+    assert any("config" in t for t in ev.Tags()["tensors"])
+    io = capsys.readouterr()
+    assert "[step    2/2]" in io.out
+    assert "train: 100%" in io.err and "eval: 100%" in io.err and "<00:00" in io.err  # tqdm's estimate

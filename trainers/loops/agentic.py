@@ -28,7 +28,7 @@ import torch
 from rollkit.advantages import anchor_state_index
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.trajectory import TrajectoryBatch
-from trainers.config import AgenticConfig, save_config, validate_agentic
+from trainers.config import AgenticConfig, validate_agentic
 from trainers.deps import require
 from trainers.engines.base import PackedBatch, SamplingParams, batch_logprobs
 from trainers.engines.build import build_engines
@@ -37,8 +37,7 @@ from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
 from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, ppo_update
-from trainers.loops.common import read_checkpoint, write_checkpoint
-from trainers.tracking import Tracker
+from trainers.loops.common import make_tracker, progress_bar, read_checkpoint, write_checkpoint
 
 __all__ = ["AgenticTrainer", "build_agentic_engines", "plot_history"]
 
@@ -410,13 +409,8 @@ class AgenticTrainer:
         if resumed:
             self.load_checkpoint(cfg.checkpoint.resume)
             total = max(total - self.version, 0)  # train.steps counts from the start of the run
-        tracker = Tracker(
-            cfg.logging.dir,
-            tensorboard=cfg.logging.tensorboard,
-            plot=False,
-            resume_step=self.version if resumed else None,
-        )
-        save_config(cfg, tracker.dir / "config.yaml")
+        # the agentic loop draws its own curves.png (plot_history)
+        tracker = make_tracker(cfg, resume_step=self.version if resumed else None, plot=False)
         for note in tracker.notes:
             print(f"[rollkit] {note}")
         if cfg.warmup.steps and not resumed:
@@ -430,6 +424,7 @@ class AgenticTrainer:
             tracker.log(0, before)
             print(f"[eval] step 0 greedy success rate {before['eval/success_rate']:.3f}", flush=True)
         t0, start = time.perf_counter(), self.version
+        bar = progress_bar(start + total, start, "train") if cfg.logging.progress else None
         while self.version - start < total:
             m = self.step()
             k = self.version
@@ -438,11 +433,14 @@ class AgenticTrainer:
             tracker.log(k, m)
             if on_step is not None:
                 on_step(k, m)
-            if cfg.logging.progress:
-                print(self._progress(k, start + total, m), flush=True)
+            if bar is not None:
+                bar.update(1)
+                bar.write(self._progress(k, start + total, m))
             if cfg.checkpoint.dir and cfg.checkpoint.every and k % cfg.checkpoint.every == 0:
                 self.save_checkpoint()
         train_time = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
         self._drain()
         after = self.evaluate()
         tracker.log(self.version, after)

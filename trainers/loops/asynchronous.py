@@ -259,7 +259,9 @@ class AsyncTrainer:
                 sch.stop_in_flight(keep=True)
                 sch.settle_pending()  # the evaluation gathers the reward pool: settle the producer's first
             prompts = self.eval_prompts if prompts is None else prompts
-            return greedy_accuracy(self.roles, self.codec, prompts, self.cfg.eval.max_tokens)
+            return greedy_accuracy(
+                self.roles, self.codec, prompts, self.cfg.eval.max_tokens, progress=self.cfg.logging.progress
+            )
         finally:
             if running:
                 sch.resume()

@@ -7,7 +7,10 @@ sync and async loops hand it themselves (anything with the :class:`Loop` methods
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import random
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -17,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from trainers.config import save_config
+from trainers.config import config_to_dict, save_config
 from trainers.data import Prompt, encode_prompt
 from trainers.tracking import Tracker
 
@@ -167,6 +170,62 @@ def _progress(k: int, total: int, m: dict[str, float]) -> str:
     )
 
 
+def make_tracker(cfg: Any, *, resume_step: int | None = None, plot: bool | None = None) -> Tracker:
+    """The run's :class:`~trainers.tracking.Tracker` from ``cfg.logging`` (JSONL, TensorBoard
+    with the config as text, W&B / SwanLab when asked), with the resolved config written to
+    ``<logging.dir>/config.yaml``."""
+    lg = cfg.logging
+    tracker = Tracker(
+        lg.dir,
+        tensorboard=lg.tensorboard,
+        plot=lg.plot if plot is None else plot,
+        resume_step=resume_step,
+        wandb=lg.wandb,
+        swanlab=lg.swanlab,
+        project=lg.project,
+        run_name=lg.run_name or None,
+        config=config_to_dict(cfg),
+        online=lg.online,
+    )
+    path = save_config(cfg, tracker.dir / "config.yaml")
+    if tracker.tb is not None:  # the hyper-parameters beside the curves
+        tracker.tb.add_text("config", "```yaml\n" + path.read_text() + "\n```", 0)
+    return tracker
+
+
+class _Bar:
+    """A tqdm progress bar on stderr (count, rate, elapsed and remaining time), or plain
+    lines when tqdm is missing."""
+
+    def __init__(self, total: int, initial: int, desc: str, unit: str) -> None:
+        tqdm = importlib.util.find_spec("tqdm") and importlib.import_module("tqdm").tqdm
+        self.bar = (
+            tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+            if tqdm
+            else None
+        )
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def progress_bar(total: int, initial: int = 0, desc: str = "train", unit: str = "step") -> _Bar:
+    """A progress bar with a time estimate (tqdm when installed; it comes with transformers)."""
+    return _Bar(total, initial, desc, unit)
+
+
 def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = _progress) -> dict[str, Any]:
     """Resume (``checkpoint.resume``), evaluate, train up to ``steps`` (default ``train.steps``;
     counted from the current step), evaluate; returns a summary. ``line(step, total, metrics)``
@@ -178,8 +237,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         resume_step = loop.global_step
     total = cfg.train.steps if steps is None else steps
     lg = cfg.logging
-    tracker = Tracker(lg.dir, tensorboard=lg.tensorboard, plot=lg.plot, resume_step=resume_step)
-    save_config(cfg, tracker.dir / "config.yaml")
+    tracker = make_tracker(cfg, resume_step=resume_step)
     for note in tracker.notes:
         print(f"[rollkit] {note}")
     before = None
@@ -188,19 +246,23 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         tracker.log(0, before)
         print(f"[eval] step 0 held-out accuracy {before.get('eval/accuracy', float('nan')):.3f}")
     t0, start = time.perf_counter(), loop.global_step
+    bar = progress_bar(total, loop.global_step, "train") if lg.progress else None
     while loop.global_step < total:
         m = loop.step()
         k = loop.global_step
         if cfg.eval.every and k % cfg.eval.every == 0 and k < total:
             m.update(loop.evaluate())
         tracker.log(k, m)
-        if lg.progress:
-            print(line(k, total, m), flush=True)
+        if bar is not None:
+            bar.update(1)
+            bar.write(line(k, total, m))
         if cfg.checkpoint.dir and cfg.checkpoint.every and k % cfg.checkpoint.every == 0:
             step_dir = loop.save_checkpoint()
             if lg.save_model:
                 loop.save_model(step_dir / "model")
     train_time = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
     after = loop.evaluate()
     tracker.log(loop.global_step, after)
     plot = tracker.plot()

@@ -19,12 +19,13 @@ import torch
 
 from trainers.config import Config, validate
 from trainers.data import Prompt
-from trainers.engines.base import SamplingParams
+from trainers.engines.base import SamplingParams, iter_generations
 from trainers.loops.collect import GroupCollector, TailCollector
 from trainers.loops.common import (
     Codec,
     Timer,
     loop_state,
+    progress_bar,
     read_checkpoint,
     restore_loop_state,
     run_fit,
@@ -36,13 +37,26 @@ from trainers.roles import Roles
 __all__ = ["SyncTrainer", "greedy_accuracy"]
 
 
-def greedy_accuracy(roles: Roles, codec: Codec, prompts: list[Prompt], max_tokens: int) -> dict[str, float]:
+def greedy_accuracy(
+    roles: Roles, codec: Codec, prompts: list[Prompt], max_tokens: int, *, progress: bool = False
+) -> dict[str, float]:
     """Greedy accuracy of the rollout role on ``prompts``, overall (``eval/accuracy``) and per
-    ``data_source`` when there are several, scored by the reward pool."""
+    ``data_source`` when there are several, scored by the reward pool. ``progress``: a progress
+    bar (samples as the engine finishes them, with a time estimate)."""
     if not prompts:
         return {}
     params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, seed=0)
-    gens = roles.rollout.generate([codec.encode(p) for p in prompts], params)
+    ids = [codec.encode(p) for p in prompts]
+    if progress:
+        bar = progress_bar(len(prompts), 0, "eval", unit="sample")
+        gens = []
+        for g in iter_generations(roles.rollout, ids, params):
+            gens.append(g)
+            bar.update(1)
+        bar.close()
+        gens.sort(key=lambda g: g.prompt_index)
+    else:
+        gens = roles.rollout.generate(ids, params)
     for k, g in enumerate(gens):
         roles.rewards.submit(k, codec.decode(g.token_ids), prompts[g.prompt_index])
     rewards = roles.rewards.gather()
@@ -129,7 +143,9 @@ class SyncTrainer:
     def evaluate(self, prompts: list[Prompt] | None = None) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts, overall and per ``data_source``."""
         prompts = self.eval_prompts if prompts is None else prompts
-        return greedy_accuracy(self.roles, self.codec, prompts, self.cfg.eval.max_tokens)
+        return greedy_accuracy(
+            self.roles, self.codec, prompts, self.cfg.eval.max_tokens, progress=self.cfg.logging.progress
+        )
 
     def fit(self, steps: int | None = None) -> dict[str, Any]:
         """Evaluate, train ``steps`` (default ``train.steps``; counted from the current step up to
