@@ -184,8 +184,9 @@ class FSDP2TrainEngine:
         mixed_precision: FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``: the all-gathered
             weights and the forward / backward compute in this dtype, gradients reduced in
             ``dtype``; ``None``: compute in ``dtype``. Log-probs are float32 either way.
-        reshard_after_forward: free each layer's gathered weights after its forward (and
-            gather them again in the backward): less memory, one more all-gather per layer.
+        reshard_after_forward: free each decoder layer's gathered weights after its forward
+            (and gather them again in the backward): less memory, one more all-gather per
+            layer. The root's stay gathered until its backward (they are needed at once).
         share_prompts: run each distinct prompt of a micro-batch once
             (:func:`~trainers.engines.torch_train.response_logits`).
         logprob_chunk_tokens: ``> 0``: the memory-lean log-probs (no ``[B, T, V]`` logits) of
@@ -232,7 +233,7 @@ class FSDP2TrainEngine:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.grad_clip, self.dtype, self.mixed_precision = grad_clip, dtype, mixed_precision
         self.share_prompts, self.logprob_chunk_tokens = share_prompts, logprob_chunk_tokens
-        self._arch = (type(model), model.config)  # for save_model's unsharded skeleton
+        self._arch = (type(model), getattr(model, "config", None))  # for save_model's unsharded skeleton
         model = model.to(device=device, dtype=dtype)
         if self.world_size > 1:
             with torch.no_grad():
