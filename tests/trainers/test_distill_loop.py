@@ -1,0 +1,114 @@
+"""On-policy distillation (trainers.loops.distill) on the tiny Qwen2 + character tokenizer, CPU.
+
+Task: 1-digit addition prompts; the student samples with the HF rollout engine, a frozen
+teacher scores the sampled tokens.
+"""
+
+import copy
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("transformers")
+
+import torch
+
+from trainers.config import load_config
+from trainers.engines import HFRolloutEngine, TorchTrainEngine
+from trainers.loops.distill import DistillConfig, DistillTrainer
+from trainers.models import char_tokenizer, tiny_qwen2
+
+BASE = [
+    "--model",
+    "tiny",
+    "data.digits=1",
+    "data.eval_size=30",
+    "eval.before=false",
+    "eval.every=0",
+    "rollout.prompts_per_step=8",
+    "rollout.n=4",
+    "rollout.max_tokens=4",
+    "rollout.temperature=1.0",
+    "train.micro_batch_size=32",
+    "logging.progress=false",
+]
+
+
+def make(*overrides, lr=1e-2, teacher=None, optimizer=None):
+    cfg = load_config([*BASE, f"train.lr={lr}", *overrides], base=DistillConfig())
+    tok = char_tokenizer()
+    model = tiny_qwen2(tok, seed=0)
+    train = TorchTrainEngine(
+        model, **({"optimizer_factory": optimizer, "grad_clip": None} if optimizer else {"lr": lr})
+    )
+    rollout = HFRolloutEngine(copy.deepcopy(model), tok)
+    return DistillTrainer(cfg, rollout=rollout, train=train, tokenizer=tok, teacher=teacher)
+
+
+def test_teacher_equal_to_student_gives_zero_loss_and_no_update():
+    """The teacher is the student itself (the same weights, the same forward): every advantage
+    is exactly 0, so the gradient is 0 and not even Adam moves the weights."""
+    cfg = load_config([*BASE, "train.lr=1e-2"], base=DistillConfig())
+    tok = char_tokenizer()
+    model = tiny_qwen2(tok, seed=0)
+    train = TorchTrainEngine(model, lr=1e-2)
+    tr = DistillTrainer(
+        cfg, rollout=HFRolloutEngine(copy.deepcopy(model), tok), train=train, tokenizer=tok, teacher=train
+    )
+    w0 = [p.detach().clone() for p in tr.engine.model.parameters()]
+    m = tr.step()
+    assert m["loss/distill"] == 0.0 and m["distill/reverse_kl"] == 0.0 and m["distill/advantage_mean"] == 0.0
+    assert m["optim/grad_norm"] == 0.0
+    for a, b in zip(w0, tr.engine.model.parameters()):
+        assert torch.equal(a, b)
+    for (_, a), (_, b) in zip(tr.engine.export_weights(), tr.rollout.model.named_parameters()):
+        assert torch.equal(a, b)
+    tr.close()
+    # a teacher that is a copy of the student (a second model in memory): zero up to float rounding
+    tr = make(teacher=tiny_qwen2(tok, seed=0))
+    m = tr.step()
+    assert abs(m["distill/reverse_kl"]) < 1e-5 and abs(m["loss/distill"]) < 1e-5
+    tr.close()
+
+
+def test_student_reverse_kl_to_a_warm_teacher_falls():
+    """A teacher warmed up with 100 supervised steps on the addition prompts, a random student:
+    the k1 estimate of the student's reverse KL on its own samples falls (measured: about 5.2
+    over the first 3 steps, 3.9 over the last 3 of 10)."""
+    tr = make("distill.teacher_warmup_steps=100", "distill.teacher_tiny_seed=1")
+    kls = [tr.step()["distill/reverse_kl"] for _ in range(10)]
+    first, last = sum(kls[:3]) / 3, sum(kls[-3:]) / 3
+    print(f"reverse KL {first:.3f} -> {last:.3f}: {[round(k, 2) for k in kls]}")
+    assert last < first - 0.5, kls
+    tr.close()
+
+
+def test_rl_mode_takes_the_same_first_step_as_the_loss_mode():
+    """On fresh samples the PPO ratio is 1, so PPO with the distillation advantages has the
+    gradient of on_policy_distill: one SGD step of either mode gives the same weights."""
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    teacher = tiny_qwen2(char_tokenizer(), seed=1)
+    weights = {}
+    for mode in ("loss", "rl"):
+        tr = make(f"distill.mode={mode}", teacher=copy.deepcopy(teacher), optimizer=sgd)
+        m = tr.step()
+        assert m["distill/reverse_kl"] > 0.01
+        weights[mode] = [p.detach().clone() for p in tr.learner.engine.model.parameters()]
+        tr.close()
+    for a, b in zip(weights["loss"], weights["rl"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    tr = make("distill.mode=rl", "distill.task_coef=1.0", teacher=teacher)
+    m = tr.step()
+    for k in ("distill/reverse_kl", "advantage/abs_mean", "reward/mean", "optim/grad_norm"):
+        assert k in m, k
+    tr.close()
+
+
+def test_bad_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"^distill.mode must be one of loss, rl, got 'kd'$"):
+        make("distill.mode=kd")
+    with pytest.raises(ValueError, match=r"^distill.task_coef=1.0: task advantages need distill.mode=rl$"):
+        make("distill.task_coef=1")
+    with pytest.raises(ValueError, match=r"^distill.teacher: model.path: /nonexistent does not exist"):
+        make("distill.teacher=/nonexistent")

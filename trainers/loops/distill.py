@@ -1,0 +1,332 @@
+"""On-policy distillation: the student samples, a frozen teacher scores the sampled tokens, the
+student minimises its sampled-token reverse KL to the teacher.
+
+:class:`DistillTrainer` is built from the sync loop's parts (:mod:`trainers.loops.parts`: the
+roles, the prompts, the :class:`~trainers.loops.collect.GroupCollector`, the evaluation and
+the fit driver). Each step::
+
+    collect (the student's rollout engine, scored by the verifier for the metrics) -> pack ->
+    teacher log-probs of the sampled tokens (in process, no gradient) -> update -> push weights
+
+``distill.mode="loss"`` (default): one optimizer step of :func:`rollkit.losses.on_policy_distill`
+(``A_t = coef * (log pi_teacher - log pi_student)``, the per-token reverse KL's score-function
+gradient, Thinking Machines' "On-Policy Distillation" 2025) with the global normalisers of the
+batch; nothing else is in the loss. ``distill.mode="rl"``: the advantages are
+:func:`rollkit.losses.distill_token_rewards` of the rollout's log-probs (plus
+``distill.task_coef`` times the task advantages of ``algorithm.advantage``), trained with the
+configured policy loss through the learner's PPO update (also on Ray). Guide: ``docs/offline.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollkit.losses import aggregate, distill_token_rewards, global_normalizers, on_policy_distill
+from rollkit.registry import ADVANTAGE_ESTIMATORS
+from trainers.config import Config, LoggingConfig, validate
+from trainers.data import Prompt
+from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
+from trainers.engines.build import build_model, parse_dtype, train_autocast
+from trainers.engines.torch_train import TorchTrainEngine
+from trainers.learner import supervised_warmup
+from trainers.loops.collect import Group, GroupCollector
+from trainers.loops.common import (
+    Timer,
+    loop_state,
+    read_checkpoint,
+    restore_loop_state,
+    run_fit,
+    write_checkpoint,
+)
+from trainers.loops.parts import attach, build_parts
+from trainers.loops.sync import greedy_accuracy
+
+__all__ = [
+    "DISTILL_MODES",
+    "DistillConfig",
+    "DistillSettings",
+    "DistillTrainer",
+    "build_teacher",
+    "validate_distill",
+]
+
+#: ``distill.mode`` choices
+DISTILL_MODES = ("loss", "rl")
+
+
+@dataclass
+class DistillSettings:
+    """The teacher and the distillation objective (module docstring)."""
+
+    teacher: str = "tiny"  # an HF checkpoint directory, "tiny" (tiny Qwen2), or "" (the embedded default)
+    teacher_dtype: str = ""  # "": model.dtype
+    teacher_tiny_seed: int = 0  # teacher="tiny": its initial weights' seed
+    teacher_warmup_steps: int = 0  # supervised steps of the teacher on the train prompts before distilling
+    teacher_warmup_lr: float = 3e-3
+    mode: str = "loss"  # "loss": on_policy_distill; "rl": distill_token_rewards as advantages, PPO update
+    coef: float = 1.0  # the reverse-KL coefficient
+    task_coef: float = 0.0  # mode="rl": + task_coef x the verifier's advantages (algorithm.advantage)
+
+
+def _distill_logging() -> LoggingConfig:
+    log = LoggingConfig()
+    log.dir = "runs/distill"
+    return log
+
+
+@dataclass
+class DistillConfig(Config):
+    """:class:`trainers.config.Config` plus the ``distill`` section; load it with
+    ``load_config(argv, base=DistillConfig())``."""
+
+    logging: LoggingConfig = field(default_factory=_distill_logging)
+    distill: DistillSettings = field(default_factory=DistillSettings)
+
+
+def validate_distill(cfg: DistillConfig) -> None:
+    """:func:`trainers.config.validate` plus the ``distill`` section (one-line errors)."""
+    validate(cfg)
+    d = cfg.distill
+    if d.mode not in DISTILL_MODES:
+        raise ValueError(f"distill.mode must be one of {', '.join(DISTILL_MODES)}, got {d.mode!r}")
+    if d.teacher_warmup_steps < 0:
+        raise ValueError(f"distill.teacher_warmup_steps must be >= 0, got {d.teacher_warmup_steps}")
+    if d.teacher_dtype:
+        parse_dtype(d.teacher_dtype, "distill.teacher_dtype")
+    if d.task_coef and d.mode != "rl":
+        raise ValueError(f"distill.task_coef={d.task_coef}: task advantages need distill.mode=rl")
+
+
+def _check_vocab(teacher_tok: Any, tokenizer: Any, where: str) -> None:
+    get_t, get_s = getattr(teacher_tok, "get_vocab", None), getattr(tokenizer, "get_vocab", None)
+    if callable(get_t) and callable(get_s) and get_t() != get_s():
+        raise ValueError(
+            f"distill.teacher: {where}'s tokenizer differs from the student's (the teacher scores the "
+            "student's token ids: use a teacher of the same tokenizer)"
+        )
+
+
+def build_teacher(cfg: DistillConfig, tokenizer: Any, prompts: list[Prompt], teacher: Any = None) -> Any:
+    """The frozen teacher engine: ``teacher`` as given when it has ``logprobs`` /
+    ``batch_logprobs``; else a :class:`~trainers.engines.torch_train.TorchTrainEngine` over
+    ``teacher`` (a model) or over ``distill.teacher`` loaded with :func:`build_model`, warmed up
+    with ``distill.teacher_warmup_steps`` supervised steps on ``prompts``, then frozen."""
+    if teacher is not None and (hasattr(teacher, "logprobs") or hasattr(teacher, "batch_logprobs")):
+        return teacher
+    d, dev = cfg.distill, cfg.train.device
+    tcfg = copy.deepcopy(cfg)
+    tcfg.model.dtype = d.teacher_dtype or cfg.model.dtype
+    if teacher is None:
+        tcfg.model.path, tcfg.model.tiny_seed = d.teacher, d.teacher_tiny_seed
+        try:
+            teacher, teacher_tok = build_model(tcfg)
+        except ValueError as e:
+            raise ValueError(f"distill.teacher: {e}") from None
+        _check_vocab(teacher_tok, tokenizer, d.teacher or "the embedded default")
+    eng = TorchTrainEngine(
+        teacher,
+        lr=d.teacher_warmup_lr,
+        dtype=parse_dtype(tcfg.model.dtype),
+        device=dev,
+        autocast=train_autocast(tcfg, dev),
+    )
+    if d.teacher_warmup_steps:
+        supervised_warmup(
+            eng,
+            tokenizer,
+            prompts,
+            steps=d.teacher_warmup_steps,
+            batch_size=32,
+            seed=cfg.seed + 1,
+            chat_template=cfg.data.chat_template,
+        )
+    eng.model.eval().requires_grad_(False)  # frozen in place (no second copy of a large teacher)
+    return eng
+
+
+class DistillTrainer:
+    """On-policy distillation of ``cfg.model`` (the student) from ``distill.teacher``.
+
+    Args:
+        cfg: a :class:`DistillConfig`.
+        rollout, train, tokenizer, model, reward_fn: the student's roles, as
+            :class:`~trainers.loops.SyncTrainer` takes them.
+        teacher: a frozen engine (anything with the TrainEngine ``logprobs``), or a model
+            (wrapped and frozen), instead of ``distill.teacher``. It must share the tokenizer.
+        train_prompts, eval_prompts: default :func:`trainers.data.build_prompts`.
+
+    ``fit()`` = evaluate (greedy accuracy), ``train.steps`` x :meth:`step`, evaluate.
+    """
+
+    def __init__(
+        self,
+        cfg: DistillConfig,
+        *,
+        rollout: Any = None,
+        train: Any = None,
+        tokenizer: Any = None,
+        model: Any = None,
+        teacher: Any = None,
+        train_prompts: list[Prompt] | None = None,
+        eval_prompts: list[Prompt] | None = None,
+        reward_fn: Any = None,
+    ) -> None:
+        validate_distill(cfg)
+        self.cfg = cfg
+        parts = build_parts(
+            cfg,
+            train_prompts=train_prompts,
+            eval_prompts=eval_prompts,
+            rollout=rollout,
+            train=train,
+            tokenizer=tokenizer,
+            model=model,
+            reward_fn=reward_fn,
+        )
+        attach(self, parts)
+        try:
+            self.engine = getattr(self.learner, "engine", None)
+            if cfg.distill.mode == "loss" and self.engine is None:
+                raise ValueError(
+                    "distill.mode=loss: needs an in-process train engine; on Ray use distill.mode=rl"
+                )
+            self.collector = GroupCollector(
+                cfg, self.rollout, self.rewards, self.codec, self.iterator, self.maker
+            )
+            self.teacher = build_teacher(cfg, self.tok, self.train_prompts, teacher)
+        except BaseException:
+            self.roles.close()
+            raise
+        self.global_step = 0
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+
+    def _sampling(self) -> dict[str, Any]:
+        r = self.cfg.rollout
+        return {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
+
+    def step(self) -> dict[str, float]:
+        """One distillation step; returns its metrics (``distill/reverse_kl``: the k1 estimate of
+        the student's per-token reverse KL to the teacher on this step's samples)."""
+        timer, t_start = Timer(), time.perf_counter()
+        groups, metrics, lengths = self.collector.collect(self.global_step, timer)
+        if groups:
+            batch = pack_generations([g for _, gs, _ in groups for g in gs], self.codec.pad_id)
+            if self.cfg.distill.mode == "loss":
+                with timer("train"):
+                    metrics.update(self.distill_update(batch, timer))
+            else:
+                metrics.update(self.rl_update(groups, batch, timer))
+            with timer("weight_sync"):
+                self.roles.push_weights(version=self.global_step + 1)
+        self.global_step += 1
+        metrics.update(timer.metrics(t_start))
+        metrics["throughput/rollout_tokens_per_s"] = sum(lengths) / max(timer.t["rollout"], 1e-9)
+        return metrics
+
+    def distill_update(self, batch: PackedBatch, timer: Timer) -> dict[str, float]:
+        """One optimizer step of :func:`~rollkit.losses.on_policy_distill` over micro-batches of
+        ``train.micro_batch_size`` rows, aggregated (``algorithm.aggregation``) with the global
+        normalisers of the batch; the teacher scores each micro-batch (no gradient)."""
+        mask, kw, d = batch.response_mask, self._sampling(), self.cfg.distill
+        norms = global_normalizers(mask)
+        sums: dict[str, float] = defaultdict(float)
+        mbs, n_tok = self.cfg.train.micro_batch_size, max(int(mask.sum()), 1)
+        for i in range(0, mask.shape[0], mbs):
+            mb = batch[i : i + mbs]
+            with timer("teacher"), torch.no_grad():
+                t_lp = self.teacher.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw)
+            lp = self.engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw)
+            out = on_policy_distill(lp, t_lp, mb.response_mask, coef=d.coef)
+            loss = aggregate(out.loss, mb.response_mask, self.cfg.algorithm.aggregation, **norms)
+            self.engine.backward(loss)
+            w = int(mb.response_mask.sum()) / n_tok
+            sums["loss/distill"] += float(loss.detach())
+            for k, v in out.metrics.items():
+                sums[f"distill/{k}"] += float(v) * w
+        sums.update({f"optim/{k}": float(v) for k, v in self.engine.step().items()})
+        return dict(sums)
+
+    def rl_update(self, groups: list[Group], batch: PackedBatch, timer: Timer) -> dict[str, float]:
+        """``distill.mode=rl``: advantages ``distill_token_rewards(rollout log-probs, teacher)``
+        (+ ``task_coef`` x the task advantages), then the learner's PPO update."""
+        cfg, mask = self.cfg, batch.response_mask
+        with timer("teacher"):
+            t_lp = batch_logprobs(
+                self.teacher, batch, micro_batch_size=cfg.train.micro_batch_size, **self._sampling()
+            )
+        adv = distill_token_rewards(batch.old_logprobs, t_lp, mask, coef=cfg.distill.coef)
+        n_tok = mask.sum().clamp(min=1)
+        metrics = {"distill/reverse_kl": float(((batch.old_logprobs - t_lp) * mask).sum() / n_tok)}
+        if cfg.distill.task_coef:
+            adv = adv + cfg.distill.task_coef * self._task_advantages(groups, mask)
+        metrics["advantage/abs_mean"] = float(adv.abs().sum() / n_tok)
+        if self.roles.offload:
+            with timer("offload"):
+                self.roles.sleep_rollout()
+        with timer("train"):
+            metrics.update(self.learner.update(batch, adv, None, seed=cfg.seed * 7919 + self.global_step))
+        return metrics
+
+    def _task_advantages(self, groups: list[Group], mask: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` advantages of the verifier's rewards (``algorithm.advantage``)."""
+        a = self.cfg.algorithm
+        rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
+        group_ids = torch.arange(len(groups)).repeat_interleave(self.cfg.rollout.n)
+        avail = {
+            "rewards": rewards,
+            "group_ids": group_ids,
+            "response_mask": mask,
+            "response_length": mask.sum(-1),
+        }
+        adv = ADVANTAGE_ESTIMATORS.entry(a.advantage).call(avail, **a.advantage_kwargs)
+        adv = adv[0] if isinstance(adv, tuple) else adv
+        return (adv[:, None] if adv.dim() == 1 else adv) * mask
+
+    def evaluate(self, prompts: list[Prompt] | None = None) -> dict[str, float]:
+        """Greedy accuracy of the student on the held-out prompts."""
+        prompts = self.eval_prompts if prompts is None else prompts
+        return greedy_accuracy(self.roles, self.codec, prompts, self.cfg.eval.max_tokens)
+
+    def fit(self, steps: int | None = None) -> dict[str, Any]:
+        """Evaluate, train ``steps`` (default ``train.steps``), evaluate (:func:`run_fit`)."""
+        return run_fit(self, steps, line=_progress)
+
+    def save_model(self, path: str | Path) -> Path:
+        """The student and tokenizer as a Hugging Face model directory."""
+        return self.learner.save_model(path, self.tok)
+
+    def save_checkpoint(self, directory: str | Path | None = None) -> Path:
+        """``<checkpoint.dir>/step_<k>/trainer.pt`` (the frozen teacher is rebuilt, not saved)."""
+        return write_checkpoint(loop_state(self), directory or self.cfg.checkpoint.dir, self.global_step)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        restore_loop_state(self, read_checkpoint(path, self.cfg.checkpoint.dir))
+        self.rollout.update_weights(self.learner.export_weights(), version=self.global_step)
+
+    def close(self) -> None:
+        """Stop the reward workers and any Ray actors started here. Idempotent."""
+        self.roles.close()
+
+    def __enter__(self) -> DistillTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _progress(k: int, total: int, m: dict[str, float]) -> str:
+    ev = f" eval {m['eval/accuracy']:.3f}" if "eval/accuracy" in m else ""
+    kl = m.get("distill/reverse_kl", float("nan"))
+    return (
+        f"[step {k:>4}/{total}] reverse KL {kl:.4f} reward {m['reward/mean']:.3f} "
+        f"len {m['response/length_mean']:.1f} {m['time/step']:.1f}s{ev}"
+    )
