@@ -83,7 +83,9 @@ def measure(case: dict, timeout_s: float) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192], help="T values (B * T tokens)")
+    p.add_argument(
+        "--lengths", type=int, nargs="+", default=[512, 2048, 8192], help="T values (B * T tokens)"
+    )
     p.add_argument("--length", type=int, default=None, help="one T (overrides --lengths)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab", type=int, default=49152)
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"top_k={args.top_k} top_p={args.top_p}, forward+backward with entropy, "
         f"median of {args.repeats}, threads={args.threads or torch.get_num_threads()}"
     )
-    print(f"{'case':<24}{'tokens':>8}{'peak MB':>10}{'mem / plain':>13}{'time s':>9}{'time / plain':>14}{'min-max s':>16}")
+    print(
+        f"{'case':<24}{'tokens':>8}{'peak MB':>10}{'mem / plain':>13}{'time s':>9}{'time / plain':>14}{'min-max s':>16}"
+    )
     results: dict = {}
     for T in lengths:
         base = None
