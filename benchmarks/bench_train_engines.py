@@ -1,4 +1,4 @@
-"""Benchmark: time per training step of DeepSpeedTrainEngine (ZeRO-0/2/3) vs TorchTrainEngine.
+"""Benchmark: time per training step of DeepSpeedTrainEngine (ZeRO-0/2/3) and FSDP2TrainEngine vs TorchTrainEngine.
 
 One process, CPU, float32, the same tiny Qwen2 (:func:`trainers.models.tiny_qwen2`; default
 hidden 64, 2 layers, about 80 thousand parameters), the same batch (``--batch`` rows of a
@@ -12,7 +12,7 @@ Prints seconds per step and the ratio to TorchTrainEngine. Results are printed, 
     python benchmarks/bench_train_engines.py --quick    # smoke run, well under 30 s
 
 DeepSpeed runs in this process on its CPU accelerator over a one-process gloo group (the
-engine sets ``DS_ACCELERATOR=cpu`` when there is no GPU). Without deepspeed installed only
+engine sets ``DS_ACCELERATOR=cpu`` when there is no GPU); FSDP2 (``fully_shard``) shares it. Without deepspeed installed only
 the TorchTrainEngine line is printed.
 """
 
@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
         for s in (int(x) for x in a.stages.split(",")):
             engines[f"DeepSpeed ZeRO-{s}"] = DeepSpeedTrainEngine(model(), zero_stage=s, lr=1e-4)
     else:
-        print("deepspeed is not installed: only TorchTrainEngine is timed")
+        print("deepspeed is not installed: only TorchTrainEngine and FSDP2 are timed")
+    from trainers.engines.fsdp2_train import FSDP2TrainEngine
+
+    engines["FSDP2"] = FSDP2TrainEngine(model(), lr=1e-4)
     b = make_batch(len(tok), a.batch, a.prompt, a.response)
     params = sum(p.numel() for p in model().parameters())
     times: dict[str, list[float]] = {k: [] for k in engines}

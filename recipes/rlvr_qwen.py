@@ -9,6 +9,7 @@ its matmuls are fast). Measured: about 3 minutes in all (6-7 s per step, held-ou
 
     python recipes/rlvr_qwen.py
     python recipes/rlvr_qwen.py --model /path/to/hf/checkpoint train.steps=40 train.lr=2e-5
+    python recipes/rlvr_qwen.py --model Qwen/Qwen2.5-0.5B-Instruct   # a hub name (online machines)
     python recipes/rlvr_qwen.py --config my.yaml --algorithm.advantage rloo
     python recipes/rlvr_qwen.py --help        # every field, its type and default
     python recipes/rlvr_qwen.py asynchronous.enabled=true asynchronous.ratio=2   # ROLL Flash async (docs/async.md)
@@ -31,7 +32,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
@@ -39,6 +39,7 @@ import torch
 from trainers.config import Config, load_config, validate
 from trainers.data import build_prompts
 from trainers.loops import AsyncTrainer, SyncTrainer
+from trainers.models import is_hub_id
 
 
 def recipe_defaults() -> Config:
@@ -72,6 +73,8 @@ def _fail(e: BaseException) -> SystemExit:
 def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = load_config(sys.argv[1:] if argv is None else argv, base=recipe_defaults())
+        if not is_hub_id(cfg.model.path):  # only a hub name may reach the network
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
         validate(cfg)
         train_prompts, eval_prompts = build_prompts(cfg)  # every record checked before a model loads
     except (ValueError, ImportError) as e:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from trainers.models import is_hub_id
 
 __all__ = [
     "ALIASES",
@@ -124,7 +125,7 @@ class TrainConfig:
     micro-batches of ``micro_batch_size`` sequences, one optimizer step per
     ``mini_batch_size`` sequences (``0``: the whole batch)."""
 
-    engine: str = "torch"  # "torch" (plain PyTorch) or "deepspeed"
+    engine: str = "torch"  # "torch" (plain PyTorch), "deepspeed" or "fsdp2" (torch fully_shard)
     zero_stage: int = 2  # DeepSpeed ZeRO stage (0-3)
     steps: int = 20
     lr: float = 1e-5
@@ -731,7 +732,7 @@ def help_text(cfg: Config | None = None) -> str:
 # --------------------------------------------------------------------------- validation
 
 ROLLOUT_ENGINES = ("hf", "vllm")
-TRAIN_ENGINES = ("torch", "deepspeed")
+TRAIN_ENGINES = ("torch", "deepspeed", "fsdp2")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 AGENTIC_MODES = ("lockstep", "async")
 
@@ -828,9 +829,10 @@ def _check_common(cfg: Any) -> None:
 
 
 def _check_model_path(path: str) -> None:
-    if path not in ("", "tiny") and not Path(path).exists():
+    if path not in ("", "tiny") and not Path(path).exists() and not is_hub_id(path):
         raise ValueError(
-            f"model.path: {path} does not exist (give a local HF checkpoint directory, or '' / tiny)"
+            f"model.path: {path} does not exist (give a local HF checkpoint directory, a hub name "
+            "such as Qwen/Qwen2.5-0.5B-Instruct, or '' / tiny)"
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import string
 import tempfile
@@ -183,11 +184,38 @@ def save_model(
     return path
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a Hugging Face hub model (``org/name``) rather than a local directory."""
+    s = str(path)
+    return bool(_HUB_ID.match(s)) and not Path(s).exists()
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    return any(
+        os.environ.get(k, "").lower() in ("1", "true", "yes")
+        for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` from a directory written by :func:`save_model` (or any HF checkpoint)."""
+    """``(model, tokenizer)`` from a directory written by :func:`save_model`, any HF checkpoint
+    directory, or a hub name (``Qwen/Qwen2.5-0.5B-Instruct``, fetched when the machine is
+    online; a name that cannot be fetched raises a ``ValueError`` that says why)."""
     transformers = require("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        if not is_hub_id(path):
+            raise
+        why = "the hub is off (HF_HUB_OFFLINE=1)" if hub_offline() else str(e).strip().splitlines()[0][:200]
+        raise ValueError(
+            f"model.path: could not fetch {str(path)!r} from the Hugging Face hub: {why}"
+        ) from None
     return model.eval(), tokenizer
 
 

@@ -360,3 +360,22 @@ def test_two_ranks_equal_single_process_full_batch(tok, batch, tmp_path):
         micro_backward(e, batch, [slice(0, 12)])
         e.step()
     assert_weights_close(weights(one), weights(ref_engines["adamw"]), atol=2 * ADAM_ATOL)
+
+
+def test_sync_trainer_on_fsdp2_saves_a_loadable_model(tmp_path):
+    """train.engine=fsdp2 through the config: two RL steps, the model saved at the end."""
+    import transformers
+
+    from trainers.config import load_config
+    from trainers.loops import SyncTrainer
+
+    cfg = load_config(
+        ["--model", "tiny", "train.engine=fsdp2", "data.digits=1", "data.eval_size=8", "eval.before=false",
+         "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=3", "train.steps=2",
+         "algorithm.entropy_coef=0.1", "logging.progress=false", f"logging.dir={tmp_path}"]
+    )  # fmt: skip
+    with SyncTrainer(cfg) as tr:
+        out = tr.fit()
+        final = dict(tr.learner.export_weights())
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out["model_dir"])
+    assert all(torch.equal(p, final[k]) for k, p in saved.named_parameters())

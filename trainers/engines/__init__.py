@@ -18,6 +18,7 @@ from trainers.engines.base import (
     position_ids_from_mask,
 )
 from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
+from trainers.engines.fsdp2_train import FSDP2TrainEngine
 from trainers.engines.hf_rollout import HFRolloutEngine, process_logits
 from trainers.engines.requests import (
     HFRequestEngine,
@@ -30,6 +31,7 @@ from trainers.engines.torch_train import TorchTrainEngine, token_logprobs
 
 __all__ = [
     "DeepSpeedTrainEngine",
+    "FSDP2TrainEngine",
     "Generation",
     "HFRequestEngine",
     "HFRolloutEngine",

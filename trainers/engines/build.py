@@ -29,10 +29,11 @@ import torch
 from trainers.config import ROLLOUT_ENGINES, TRAIN_ENGINES
 from trainers.engines.base import RolloutEngine, TrainEngine
 from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
+from trainers.engines.fsdp2_train import FSDP2TrainEngine
 from trainers.engines.hf_rollout import HFRolloutEngine
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.engines.vllm_rollout import VLLMRolloutEngine
-from trainers.models import char_tokenizer, default_model_path, load_model, save_model, tiny_qwen2
+from trainers.models import char_tokenizer, default_model_path, is_hub_id, load_model, save_model, tiny_qwen2
 
 __all__ = [
     "DTYPES",
@@ -146,8 +147,10 @@ def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
         )
         return model, tok
     path = m.path or default_model_path()
-    if not Path(path).exists():
-        raise ValueError(f"model.path: {path} does not exist (give a local HF checkpoint directory)")
+    if not Path(path).exists() and not is_hub_id(path):
+        raise ValueError(
+            f"model.path: {path} does not exist (give a local HF checkpoint directory or a hub name)"
+        )
     return load_model(path, dtype=dtype)
 
 
@@ -176,8 +179,8 @@ def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) ->
 
 
 def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
-    """The ``train.engine`` engine over ``model`` (``torch`` or ``deepspeed`` with
-    ``train.zero_stage``), with the config's optimizer settings and LR schedule."""
+    """The ``train.engine`` engine over ``model`` (``torch``, ``deepspeed`` with
+    ``train.zero_stage``, or ``fsdp2``), with the config's optimizer settings and LR schedule."""
     t, dtype, lam = cfg.train, parse_dtype(cfg.model.dtype), lr_lambda(cfg)
     kw = dict(
         lr=t.lr,
@@ -193,6 +196,9 @@ def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
     if t.engine == "deepspeed":
         train_autocast(cfg, device)  # rejects an explicit autocast
         return DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, **kw)
+    if t.engine == "fsdp2":
+        train_autocast(cfg, device)  # rejects an explicit autocast (FSDP2 has mixed_precision)
+        return FSDP2TrainEngine(model, **kw)
     raise ValueError(f"train.engine must be one of {TRAIN_ENGINES}, got {t.engine!r}")
 
 

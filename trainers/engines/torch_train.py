@@ -19,8 +19,8 @@ CPU, NCCL on GPUs), the engine broadcasts rank 0's weights at construction and, 
 clipping: the gradient *average* of DDP, taken once per step (so micro-batches need no
 ``no_sync``). rollkit's ``global_normalizers`` returns ``dp_size`` to cancel that average:
 pass it to ``aggregate`` and every rank's loss is a share of the *global* batch loss. Every
-rank must call :meth:`step` (it is a collective). FSDP2 (sharded parameters) is not
-implemented; the DeepSpeed engine covers sharding.
+rank must call :meth:`step` (it is a collective). Sharded parameters: the DeepSpeed engine
+(ZeRO 1-3) and :class:`trainers.engines.fsdp2_train.FSDP2TrainEngine` (FSDP2).
 """
 
 from __future__ import annotations
