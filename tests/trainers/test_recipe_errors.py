@@ -91,6 +91,18 @@ def test_bad_command_line_is_one_named_line(tmp_path, args, pattern):
     assert __import__("re").search(pattern, msg), msg
 
 
+def test_a_hub_name_that_cannot_be_fetched_is_one_line(tmp_path, monkeypatch):
+    """A hub name is accepted by the config; offline (as here, no model hub) loading it says so."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as e:
+        rlvr_qwen.main(["--model", "Qwen/Qwen2.5-0.5B-Instruct", f"logging.dir={tmp_path}"])
+    msg = str(e.value.code)
+    assert msg == (
+        "error: model.path: could not fetch 'Qwen/Qwen2.5-0.5B-Instruct' from the Hugging Face hub: "
+        "the hub is off (HF_HUB_OFFLINE=1)"
+    ), msg
+
+
 def test_a_bad_command_line_prints_no_traceback(tmp_path):
     r = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "rlvr_qwen.py"), "train.lr=-1e-5"],
