@@ -145,6 +145,39 @@ def test_torch_engine_trains_only_the_adapters(tok, batch, opt):
     assert moved == lora  # every A and B moved (B at step 1, A from step 2), nothing else
 
 
+def lora_grads(tok, b, **engine_kw):
+    p = policy(tok)
+    with torch.no_grad():  # non-zero B, so that A gets a gradient too
+        for n, q in p.named_parameters():
+            if ".lora_B." in n:
+                q.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    engine = TorchTrainEngine(p, **engine_kw)
+    engine.logprobs(b.input_ids, b.attention_mask, b.response_mask).sum().backward()
+    return {n: q.grad.clone() for n, q in p.named_parameters() if q.grad is not None}
+
+
+def test_engine_paths_give_the_same_adapter_gradients(tok, batch):
+    """Prompt sharing (the KV cache through peft's forward), one plain forward, gradient
+    checkpointing and the memory-lean chunked log-probs: same adapter gradients."""
+    want = lora_grads(tok, batch)
+    assert len(want) == 2 * len(LORA_TARGETS) * 2
+    for kw in [{"share_prompts": False}, {"gradient_checkpointing": True}, {"logprob_chunk_tokens": 4}]:
+        got = lora_grads(tok, batch, **kw)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(
+                got[k], want[k], rtol=0, atol=1e-5, msg=lambda m, k=k, kw=kw: f"{kw} {k}: {m}"
+            )
+
+
+def test_engine_save_model_of_a_peft_model_writes_only_the_adapter(tok, tmp_path):
+    """TorchTrainEngine.save_model on a peft model is peft's save_pretrained: the adapter and
+    tokenizer, no base weights; loops save with save_lora instead."""
+    TorchTrainEngine(policy(tok)).save_model(tmp_path, tok)
+    assert (tmp_path / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "model.safetensors").exists() and not (tmp_path / "config.json").exists()
+
+
 def test_export_weights_of_a_peft_model_are_peft_names(tok):
     """What TorchTrainEngine.export_weights yields for a peft model: peft's names (base_layer,
     lora_A/B), which a plain rollout engine rejects; the loop sends merged_weights instead."""
