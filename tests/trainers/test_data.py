@@ -88,3 +88,31 @@ def test_iterator_is_checkpointable():
     assert it2.next_batch(9) == rest
     with pytest.raises(ValueError, match="items"):
         PromptIterator([])
+
+
+def test_datasets_directory_and_hub_names_as_prompt_data(tmp_path, monkeypatch):
+    """data.train_file may be a ``datasets`` directory (save_to_disk; a DatasetDict's split by
+    data.train_split / eval_split) or a hub dataset name (offline here: one line saying why)."""
+    datasets = pytest.importorskip("datasets")
+    from trainers.config import load_config, validate
+    from trainers.data import build_prompts, load_prompts
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "data_source": "add"} for i in range(6)]
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[:4]), "test": datasets.Dataset.from_list(rows[4:])}
+    )
+    dd.save_to_disk(str(tmp_path / "dd"))
+    cfg = load_config(
+        ["--model", "tiny", f"data.train_file={tmp_path / 'dd'}", f"data.eval_file={tmp_path / 'dd'}"]
+    )
+    validate(cfg)
+    train, held = build_prompts(cfg)
+    assert [p.answer for p in train] == ["1", "2", "3", "4"] and [p.answer for p in held] == ["5", "6"]
+    with pytest.raises(ValueError, match=r"^data\.train_file: could not load the dataset .* no split 'dev'"):
+        load_prompts(tmp_path / "dd", field="data.train_file", split="dev")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(
+        ValueError, match=r"^data\.train_file: could not load the dataset 'nobody/no-such-set'"
+    ):
+        load_prompts("nobody/no-such-set", field="data.train_file")
