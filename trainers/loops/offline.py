@@ -89,6 +89,7 @@ class OfflineAlgorithmConfig:
 def _offline_logging() -> LoggingConfig:
     log = LoggingConfig()
     log.dir = "runs/offline"
+    log.plot = False  # curves.png plots reward and accuracy, which SFT does not have
     return log
 
 
