@@ -206,3 +206,22 @@ def test_strict_build_renders_pages_api_and_math(site):
     assert 'class="arithmatex"' in (site / "api" / "buffer" / "index.html").read_text()
     assert 'class="arithmatex"' in (site / "advantages" / "index.html").read_text()
     assert "mathjax" in (site / "index.html").read_text().lower()
+
+
+def test_mathjax_is_served_with_the_site_not_from_a_cdn():
+    """Every extra_javascript is a file of the site (MathJax comes from the npm package through
+    scripts/fetch_mathjax.sh, which .ci/run runs), so the formulas render offline."""
+    import yaml
+
+    cfg = yaml.safe_load(re.sub(r"!!python/\S+", "", CONFIG.read_text()))
+    scripts = cfg["extra_javascript"]
+    assert scripts and not [s for s in scripts if "://" in str(s)], scripts
+    assert "javascripts/vendor/mathjax/tex-mml-chtml.js" in scripts
+
+
+@pytest.mark.slow
+def test_the_site_carries_mathjax(site):
+    if not (ROOT / "docs" / "javascripts" / "vendor" / "mathjax" / "tex-mml-chtml.js").is_file():
+        pytest.skip("MathJax not fetched (bash scripts/fetch_mathjax.sh; needs npm)")
+    assert (site / "javascripts" / "vendor" / "mathjax" / "tex-mml-chtml.js").is_file()
+    assert (site / "javascripts" / "vendor" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2").is_dir()

@@ -1,7 +1,7 @@
 // MathJax configuration for pymdownx.arithmatex (generic mode): it wraps math in
 // <span class="arithmatex">\( ... \)</span> and <div class="arithmatex">\[ ... \]</div>.
-// MathJax itself is loaded from a CDN when a page is viewed (mkdocs.yml: extra_javascript),
-// so building the site needs no network.
+// MathJax itself is served with the site (mkdocs.yml: extra_javascript), copied from the npm
+// package mathjax@3.2.2 by scripts/fetch_mathjax.sh: the formulas render offline.
 window.MathJax = {
   tex: {
     inlineMath: [["\\(", "\\)"]],
