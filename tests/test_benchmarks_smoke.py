@@ -136,6 +136,15 @@ def test_train_step_tiny(capsys):
     assert rows["float32"][1] == 1.0 and all(r[0] > 0 for r in rows.values()), rows
 
 
+def test_token_budget_quick(capsys):
+    pytest.importorskip("transformers")
+    info = load("bench_token_budget").main(["--quick", "--threads", "1"])
+    assert len(info) == 3 and all(0 <= v["padding_frac"] < 1 and v["seconds"] > 0 for v in info.values())
+    fixed, _, budget = info.values()
+    assert budget["padding_frac"] <= fixed["padding_frac"]  # longest-first packing pads less
+    assert "budget" in capsys.readouterr().out
+
+
 def test_tail_batching_tiny(capsys):
     """W1 on the tiny model with the HF engine: sync and tail batching, same trained samples."""
     pytest.importorskip("transformers")
