@@ -6,6 +6,8 @@ teacher scores the sampled tokens.
 
 import copy
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +114,15 @@ def test_bad_settings_are_one_line_errors():
         make("distill.task_coef=1")
     with pytest.raises(ValueError, match=r"^distill.teacher: model.path: /nonexistent does not exist"):
         make("distill.teacher=/nonexistent")
+
+
+def test_recipe_bad_input_is_one_line():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+    import distill
+
+    with pytest.raises(SystemExit, match=r"^error: distill.mode must be one of loss, rl, got 'kd'$"):
+        distill.main(["distill.mode=kd"])
+    with pytest.raises(
+        SystemExit, match=r"^error: distill.teacher_dtype must be float32, bfloat16 or float16, got 'int8'$"
+    ):
+        distill.main(["distill.teacher_dtype=int8"])

@@ -6,6 +6,8 @@ rejected a wrong one.
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,41 @@ def test_bad_config_and_missing_file_name_the_field(records):
     )
     with pytest.raises(ValueError, match=r"^data.train_file: no such file: /nonexistent/p.jsonl$"):
         OfflineTrainer(cfg)
+
+
+def _recipe():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+    import sft_dpo
+
+    return sft_dpo
+
+
+def test_recipe_runs_sft_then_dpo_from_its_model(tmp_path):
+    sft_dpo = _recipe()
+    common = ["train.steps=2", "logging.progress=false", "eval.every=0", "logging.tensorboard=false"]
+    out = sft_dpo.main([f"logging.dir={tmp_path / 'sft'}", *common])
+    assert out["steps"] == 2 and (tmp_path / "sft" / "data" / "train.jsonl").exists()
+    out = sft_dpo.main(
+        [f"logging.dir={tmp_path / 'dpo'}", "offline.loss=dpo", "--model", out["model_dir"], *common]
+    )
+    assert out["accuracy_after"] is not None
+
+
+def test_recipe_bad_input_is_one_line(tmp_path):
+    sft_dpo = _recipe()
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "1+2=", "chosen": 3}\n')
+    for argv, message in (
+        (["offline.loss=kto"], "error: offline.loss must be one of"),
+        (
+            ["--data", str(bad), "offline.loss=dpo"],
+            f"error: data.train_file: {bad} line 2: 'chosen' must be a string",
+        ),
+        (
+            ["--data", str(tmp_path / "none.jsonl")],
+            f"error: data.train_file: no such file: {tmp_path / 'none.jsonl'}",
+        ),
+    ):
+        with pytest.raises(SystemExit) as e:
+            sft_dpo.main(argv)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
