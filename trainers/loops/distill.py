@@ -242,8 +242,8 @@ class DistillTrainer:
         mbs, n_tok = self.cfg.train.micro_batch_size, max(int(mask.sum()), 1)
         for i in range(0, mask.shape[0], mbs):
             mb = batch[i : i + mbs]
-            with timer("teacher"), torch.no_grad():
-                t_lp = self.teacher.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw)
+            with timer("teacher"):  # its logprobs, or batch_logprobs (a Ray reference-style actor)
+                t_lp = batch_logprobs(self.teacher, mb, micro_batch_size=mbs, **kw)
             lp = self.engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw)
             out = on_policy_distill(lp, t_lp, mb.response_mask, coef=d.coef)
             loss = aggregate(out.loss, mb.response_mask, self.cfg.algorithm.aggregation, **norms)
