@@ -1,4 +1,4 @@
-"""rollkit losses as torchrl LossModules (rollkit.interop.torchrl)."""
+"""rollkit losses as torchrl LossModules (rollkit.integrations.torchrl)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tensordict.nn import TensorDictModule
 
 pytest.importorskip("torchrl")
 
-from rollkit.interop import torchrl as rt
+from rollkit.integrations import torchrl as rt
 from rollkit.losses import aggregate, ppo_clip
 from rollkit.testing import batches
 from rollkit.types import LossOutput
@@ -268,3 +268,9 @@ def test_documented_hyper_parameters_are_real_and_the_example_runs():
             batch_size=[1],
         )
         loss_fn(td)
+
+
+def test_former_module_path_reexports_the_same_class():
+    from rollkit.interop.torchrl import RollkitLossModule
+
+    assert RollkitLossModule is rt.RollkitLossModule

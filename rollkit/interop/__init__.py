@@ -1,1 +1,1 @@
-"""Interop with other RL libraries (optional dependencies, imported lazily)."""
+"""Former home of the framework adapters, now in :mod:`rollkit.integrations` (``rollkit.interop.torchrl`` re-exports ``rollkit.integrations.torchrl``)."""
