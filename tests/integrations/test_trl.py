@@ -26,9 +26,18 @@ def count_a(completions, **kwargs):
 
 def make(trainer_cls, model_dir, tmp_path, **config):
     base = dict(
-        output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=5, max_steps=2, logging_steps=1, report_to="none", save_strategy="no",
-        learning_rate=1e-3, seed=0, temperature=1.0,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=5,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        learning_rate=1e-3,
+        seed=0,
+        temperature=1.0,
     )
     args = trl.GRPOConfig(**{**base, **config})
     data = datasets.Dataset.from_dict({"prompt": ["ab", "ba", "cd", "dc", "ef", "fe", "gh", "hg"]})
@@ -96,11 +105,18 @@ CASES = [
     ("ppo", dict(loss_type="luspo", beta=0.04, use_bias_correction_kl=True)),
     ("ppo", dict(loss_type="dapo", beta=0.04, top_entropy_quantile=0.5, off_policy_mask_threshold=0.05)),
     ("cispo", dict(loss_type="cispo", beta=0.04, epsilon_high=1.2)),
-    ("gspo", dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.1)),
+    (
+        "gspo",
+        dict(
+            loss_type="grpo", beta=0.04, importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.1
+        ),
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "config"), CASES, ids=[f"{n}-{c['loss_type']}-{i}" for i, (n, c) in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("name", "config"), CASES, ids=[f"{n}-{c['loss_type']}-{i}" for i, (n, c) in enumerate(CASES)]
+)
 def test_rollkit_loss_equals_trl_loss(model_dir, tmp_path, name, config):
     theirs = make(trl.GRPOTrainer, model_dir, tmp_path / "trl", **config)
     ours = make(grpo_trainer_class(name), model_dir, tmp_path / "rk", **config)
@@ -113,7 +129,9 @@ def test_rollkit_loss_equals_trl_loss(model_dir, tmp_path, name, config):
         assert torch.allclose(a, b, atol=1e-6)
     for key in ("kl", "clip_ratio/region_mean", "cispo_clip_ratio"):
         if theirs._metrics["train"].get(key):
-            assert ours._metrics["train"][key][-1] == pytest.approx(theirs._metrics["train"][key][-1], abs=1e-6)
+            assert ours._metrics["train"][key][-1] == pytest.approx(
+                theirs._metrics["train"][key][-1], abs=1e-6
+            )
 
 
 @pytest.mark.parametrize(

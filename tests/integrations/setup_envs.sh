@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Build the small venvs in which tests/integrations/test_verl.py and test_openrlhf.py run
+# verl 0.9.1 and OpenRLHF 0.11.2 (their pins, tensordict<=0.10 and transformers<5.11 or ==5.15,
+# conflict with rollkit's dev venv). Each framework is installed with --no-deps plus only what
+# the modules under test import (verl: trainer/ppo/core_algos.py, workers/config; OpenRLHF:
+# models/loss.py, models/utils.py). rollkit itself is read from the repository (PYTHONPATH).
+#
+#   ROLLKIT_INTEGRATION_ENVS=/path bash tests/integrations/setup_envs.sh  # default: ~/.cache/rollkit-integration-envs
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+ENVS="${ROLLKIT_INTEGRATION_ENVS:-$HOME/.cache/rollkit-integration-envs}"
+PY="${PYTHON:-python3}"
+TORCH="torch==2.13.0"
+ROLLKIT_CORE="einops==0.8.2"
+
+build() {  # build NAME: a fresh venv at $ENVS/NAME
+  rm -rf "$ENVS/$1"
+  "$PY" -m venv "$ENVS/$1"
+  "$ENVS/$1/bin/pip" install -q "$TORCH" 2>&1 | grep -v "is ignored" || true
+}
+
+mkdir -p "$ENVS"
+start=$(date +%s)
+
+build verl
+"$ENVS/verl/bin/pip" install -q --no-deps verl==0.9.1 2>&1 | grep -v "is ignored" || true
+"$ENVS/verl/bin/pip" install -q $ROLLKIT_CORE tensordict==0.10.0 numpy==2.4.6 omegaconf==2.4.0 \
+  packaging==25.0 ray==2.55.0 transformers==5.10.4 codetiming==1.4.0 datasets==5.2.0 pillow==13.0.0 \
+  2>&1 | grep -v "is ignored\|requires\|resolver" || true
+"$ENVS/verl/bin/python" -c "import verl.trainer.ppo.core_algos, verl.workers.config"
+
+build openrlhf
+"$ENVS/openrlhf/bin/pip" install -q --no-deps openrlhf==0.11.2 2>&1 | grep -v "is ignored" || true
+"$ENVS/openrlhf/bin/pip" install -q $ROLLKIT_CORE tensordict==0.10.0 numpy==2.4.6 packaging==25.0 hjson==3.1.0 \
+  ninja==1.13.2 py-cpuinfo==9.0.0 pydantic==2.14.4 msgpack==1.2.4 psutil tqdm setuptools wheel \
+  2>&1 | grep -v "is ignored\|requires\|resolver" || true
+DS_BUILD_OPS=0 "$ENVS/openrlhf/bin/pip" install -q --no-deps --no-build-isolation deepspeed==0.19.6 \
+  2>&1 | grep -v "is ignored" || true
+"$ENVS/openrlhf/bin/python" -c "import deepspeed" 2>&1 | grep -v WARNING || true
+
+echo "integration venvs in $ENVS: $(( $(date +%s) - start )) s"
