@@ -21,7 +21,14 @@ from safetensors.torch import load_file
 
 from rollkit.losses import aggregate, global_normalizers, ppo_clip
 from trainers.engines import HFRolloutEngine, SamplingParams, TorchTrainEngine, pack_generations
-from trainers.engines.lora import LORA_TARGETS, adapter_weights, apply_lora, merged_weights, save_lora
+from trainers.engines.lora import (
+    BASE_SUBDIR,
+    LORA_TARGETS,
+    adapter_weights,
+    apply_lora,
+    merged_weights,
+    save_lora,
+)
 from trainers.models import char_tokenizer, tiny_qwen2
 
 TEXTS = ["What is 12+34? Answer: ", "7+5=", "Compute 3*9. "]
@@ -302,13 +309,19 @@ def test_save_lora_adapter_beside_base_loads_both_ways(tok, batch, tmp_path):
         base_logits = tiny_qwen2(tok, seed=0)(input_ids=x).logits
     out = save_lora(engine.model, tok, tmp_path / "adapter", merged=False)
     assert engine.model.peft_config["default"].base_model_name_or_path is None  # restored
-    for f in ["adapter_config.json", "adapter_model.safetensors", "config.json", "model.safetensors"]:
+    for f in ["adapter_config.json", "adapter_model.safetensors", "tokenizer.json"]:
         assert (out / f).exists(), f
+    # no model weights beside the adapter (vLLM would load them), the base in its own directory
+    assert sorted(q.name for q in out.glob("*.safetensors")) == ["adapter_model.safetensors"]
+    base_dir = out / BASE_SUBDIR
+    assert (base_dir / "config.json").exists() and (base_dir / "model.safetensors").exists()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
     auto_peft = peft.AutoPeftModelForCausalLM.from_pretrained(out)
     with_adapter = transformers.AutoModelForCausalLM.from_pretrained(out)  # transformers' peft integration
     with torch.no_grad():
         torch.testing.assert_close(auto_peft(input_ids=x).logits, want, rtol=0, atol=1e-5)
         torch.testing.assert_close(with_adapter(input_ids=x).logits, want, rtol=0, atol=1e-5)
-        with auto_peft.disable_adapter():  # the saved base is the unmerged base model
+        torch.testing.assert_close(plain(input_ids=x).logits, base_logits, rtol=0, atol=1e-5)  # unmerged
+        with auto_peft.disable_adapter():
             torch.testing.assert_close(auto_peft(input_ids=x).logits, base_logits, rtol=0, atol=1e-5)
     assert float((want - base_logits).abs().max()) > 1e-3

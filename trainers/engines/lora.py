@@ -8,7 +8,7 @@ only they reach the optimizer); what changes is what the rollout engine receives
     rollout = HFRolloutEngine(copy.deepcopy(model_without_lora), tokenizer)
     ...
     rollout.update_weights(merged_weights(train.model), version)   # W + B A * scale, base names
-    save_lora(train.model, tokenizer, "out/adapter", merged=False)
+    save_lora(train.model, tokenizer, "out/lora", merged=False)   # adapter + out/lora/base
 
 :func:`merged_weights` is what an engine without LoRA support loads (a plain model's
 ``state_dict`` names); :func:`adapter_weights` is the adapter alone, named as peft saves it.
@@ -28,7 +28,10 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.models import save_model
 
-__all__ = ["LORA_TARGETS", "adapter_weights", "apply_lora", "merged_weights", "save_lora"]
+__all__ = ["BASE_SUBDIR", "LORA_TARGETS", "adapter_weights", "apply_lora", "merged_weights", "save_lora"]
+
+#: where :func:`save_lora` writes the base model beside an unmerged adapter
+BASE_SUBDIR = "base"
 
 #: the linear layers of a Llama / Qwen2 / Mistral decoder block (attention and MLP)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -209,14 +212,16 @@ def save_lora(peft_model: Any, tokenizer: Any, path: str | Path, *, merged: bool
     * ``merged=True``: a plain transformers model with the adapters merged
       (:func:`merged_weights`) and the tokenizer: ``AutoModelForCausalLM.from_pretrained(path)``
       and vLLM load it as any checkpoint.
-    * ``merged=False``: the adapter beside its base model in one directory: the base weights
-      (unmerged, ``config.json`` + ``model.safetensors``), the tokenizer, and peft's
-      ``adapter_config.json`` + ``adapter_model.safetensors`` with ``base_model_name_or_path``
-      set to the directory's absolute path. ``peft.AutoPeftModelForCausalLM.from_pretrained(path)``
-      gives the peft model back; ``AutoModelForCausalLM.from_pretrained(path)`` (with peft
-      installed) loads the base and attaches the adapter; vLLM serves the base with
-      ``LoRARequest(..., lora_path=path)``. Moving the directory breaks only the absolute
-      ``base_model_name_or_path`` (pass the base explicitly then).
+    * ``merged=False``: the adapter, with its base model in ``path / "base"``: ``path`` holds
+      peft's ``adapter_config.json`` + ``adapter_model.safetensors`` and the tokenizer, with
+      ``base_model_name_or_path`` set to the absolute path of ``path / "base"``, which holds
+      the base weights (unmerged) and the tokenizer as a plain checkpoint.
+      ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` gives the peft model back and
+      ``AutoModelForCausalLM.from_pretrained(path)`` (with peft installed) the base with the
+      adapter attached; vLLM serves ``path / "base"`` with ``enable_lora=True`` and
+      ``LoRARequest(name, id, lora_path=str(path))``. (The base cannot share the adapter's
+      directory: vLLM loads every ``*.safetensors`` there as model weights.) Moving the
+      directory breaks only the absolute ``base_model_name_or_path``.
 
     The training model is not modified (the saved config is restored after writing).
     """
@@ -228,8 +233,11 @@ def save_lora(peft_model: Any, tokenizer: Any, path: str | Path, *, merged: bool
     with torch.device("meta"):
         plain = type(base)(base.config)  # the architecture without adapters, no memory
     plain.generation_config = base.generation_config
-    save_model(plain, tokenizer, path, state_dict=state)
-    if not merged:
-        with _base_path(peft_model, path):
-            peft_model.save_pretrained(path)
+    if merged:
+        return save_model(plain, tokenizer, path, state_dict=state)
+    save_model(plain, tokenizer, path / BASE_SUBDIR, state_dict=state)
+    with _base_path(peft_model, path / BASE_SUBDIR):
+        peft_model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
