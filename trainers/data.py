@@ -34,6 +34,8 @@ __all__ = [
     "encode_prompt",
     "has_chat_template",
     "load_prompts",
+    "prompt_text",
+    "read_records",
 ]
 
 
@@ -78,7 +80,7 @@ def _answer_of(rec: dict[str, Any]) -> str:
     raise ValueError("no answer field (answer, ground_truth or reward_model.ground_truth)")
 
 
-def _read_records(path: Path, field: str) -> list[tuple[str, dict[str, Any]]]:
+def read_records(path: Path, field: str) -> list[tuple[str, dict[str, Any]]]:
     """``(where, record)`` pairs of a JSONL or Parquet file; ``where`` names the file and line / row."""
     if path.suffix == ".parquet":
         pq = require("pyarrow.parquet")
@@ -110,7 +112,7 @@ def _read_records(path: Path, field: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _prompt_text(where: str, field: str, text: Any) -> str | list[dict[str, str]]:
+def prompt_text(where: str, field: str, text: Any) -> str | list[dict[str, str]]:
     if isinstance(text, str):
         if not text:
             raise ValueError(f"{field}: {where}: 'prompt' is empty")
@@ -161,7 +163,7 @@ def load_prompts(path: str | Path, *, field: str = "path", split: str = "train")
     elif not Path(path).is_file():
         raise ValueError(f"{field}: no such file: {path}")
     else:
-        records = _read_records(Path(path), field)
+        records = read_records(Path(path), field)
     path = Path(path)
     out = []
     for where, rec in records:
@@ -171,7 +173,7 @@ def load_prompts(path: str | Path, *, field: str = "path", split: str = "train")
             answer = _answer_of(rec)
         except ValueError as e:
             raise ValueError(f"{field}: {where}: {e}") from None
-        text = _prompt_text(where, field, rec["prompt"])
+        text = prompt_text(where, field, rec["prompt"])
         out.append(Prompt(text, answer, str(rec.get("data_source") or "default")))
     if not out:
         raise ValueError(f"{field}: {path} holds no prompts")

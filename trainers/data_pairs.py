@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainers.data import Prompt, _prompt_text, _read_records, addition_task
+from trainers.data import Prompt, addition_task, prompt_text, read_records
 
 __all__ = [
     "Example",
@@ -67,7 +67,7 @@ def _records(path: str | Path, field: str) -> list[tuple[str, dict[str, Any]]]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{field}: no such file: {path}")
-    recs = _read_records(path, field)
+    recs = read_records(path, field)
     if not recs:
         raise ValueError(f"{field}: {path} holds no records")
     for where, rec in recs:
@@ -86,7 +86,7 @@ def load_examples(path: str | Path, *, field: str = "path") -> list[Example]:
             raise ValueError(f"{field}: {where} has no completion field ({', '.join(COMPLETION_FIELDS)})")
         text = rec[key] if key != "answer" or isinstance(rec[key], str) else str(rec[key])
         rec = {**rec, key: text}
-        out.append(Example(_prompt_text(where, field, rec["prompt"]), _text(where, field, rec, key)))
+        out.append(Example(prompt_text(where, field, rec["prompt"]), _text(where, field, rec, key)))
     return out
 
 
@@ -96,7 +96,7 @@ def load_pairs(path: str | Path, *, field: str = "path") -> list[Pair]:
     out = []
     for where, rec in _records(path, field):
         chosen, rejected = _text(where, field, rec, "chosen"), _text(where, field, rec, "rejected")
-        out.append(Pair(_prompt_text(where, field, rec["prompt"]), chosen, rejected))
+        out.append(Pair(prompt_text(where, field, rec["prompt"]), chosen, rejected))
     return out
 
 

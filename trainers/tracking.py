@@ -146,8 +146,14 @@ class Tracker:
             if pts:
                 ax.plot(*zip(*pts), marker="o" if key.startswith("eval") else None, label=label)
         ax.set_xlabel("step")
-        ax.set_ylim(-0.02, 1.02)
-        ax.legend()
+        if any(r.get("reward/mean") is not None for r in self.history):
+            ax.set_ylim(-0.02, 1.02)
+        else:  # no reward (SFT / DPO): the loss
+            pts = [(r["step"], r["loss"]) for r in self.history if r.get("loss") is not None]
+            if pts:
+                ax.plot(*zip(*pts), label="loss")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
         ax.grid(alpha=0.3)
         if mismatch:
             self._plot_mismatch(axes[0][1])
