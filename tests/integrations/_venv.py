@@ -15,9 +15,9 @@ ENVS = Path(os.environ.get("ROLLKIT_INTEGRATION_ENVS", Path.home() / ".cache" / 
 def run_checker(env: str, script: str, timeout: int = 300) -> str:
     """Run ``script`` in ``$ROLLKIT_INTEGRATION_ENVS/env``; skip when that venv is absent."""
     python = ENVS / env / "bin" / "python"
-    if not python.exists():
+    if not (ENVS / env / ".rollkit-ready").exists():  # absent, or still being built
         pytest.skip(
-            f"no {env} venv at {python}: run tests/integrations/setup_envs.sh (ROLLKIT_INTEGRATION_ENVS)"
+            f"no finished {env} venv at {ENVS / env}: run tests/integrations/setup_envs.sh (ROLLKIT_INTEGRATION_ENVS)"
         )
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DISABLE_IMPORT_WARNING": "1"}
     proc = subprocess.run(

@@ -28,6 +28,7 @@ build verl
   packaging==25.0 ray==2.55.0 transformers==5.10.4 codetiming==1.4.0 datasets==5.2.0 pillow==13.0.0 \
   2>&1 | grep -v "is ignored\|requires\|resolver" || true
 "$ENVS/verl/bin/python" -c "import verl.trainer.ppo.core_algos, verl.workers.config"
+touch "$ENVS/verl/.rollkit-ready"  # the tests run only in a venv that was finished
 
 build openrlhf
 "$ENVS/openrlhf/bin/pip" install -q --no-deps openrlhf==0.11.2 2>&1 | grep -v "is ignored" || true
@@ -37,5 +38,6 @@ build openrlhf
 DS_BUILD_OPS=0 "$ENVS/openrlhf/bin/pip" install -q --no-deps --no-build-isolation deepspeed==0.19.6 \
   2>&1 | grep -v "is ignored" || true
 "$ENVS/openrlhf/bin/python" -c "import deepspeed" 2>&1 | grep -v WARNING || true
+touch "$ENVS/openrlhf/.rollkit-ready"
 
 echo "integration venvs in $ENVS: $(( $(date +%s) - start )) s"
