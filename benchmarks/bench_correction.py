@@ -258,12 +258,14 @@ def vllm(seeds: int, steps: int, modes: list[str]) -> dict:
         def avg(k: str, rs=rs) -> float:
             return statistics.mean(r[k] for r in rs)
 
+        masked = "-" if math.isnan(avg("masked")) else f"{avg('masked'):.4f}"  # nan: no correction
+
         print(
             f"| {m} | {mean_sd([r['before'] for r in rs])} | {mean_sd([r['after'] for r in rs])} | "
             f"{avg('mismatch/k1'):.2e} | {avg('mismatch/k3'):.2e} | {avg('mismatch/ess_frac'):.4f} | "
             f"{avg('mismatch/ratio_out_0.9_1.1'):.4f} | {avg('mismatch/ratio_min'):.3f} / "
             f"{avg('mismatch/ratio_max'):.3f} | {avg('mismatch/mult_prob_error'):.4f} | "
-            f"{avg('masked'):.4f} | {avg('s_per_step'):.1f} | {avg('wall'):.0f} |"
+            f"{masked} | {avg('s_per_step'):.1f} | {avg('wall'):.0f} |"
         )
     return res
 
