@@ -144,6 +144,12 @@ class TrainConfig:
     # > 0: log-probs and entropy without the [B, T, V] logits (rollkit.logprobs.lean_token_logprobs),
     # this many positions per chunk (torch engine; DeepSpeed ZeRO 0-2)
     logprob_chunk_tokens: int = 0
+    # LoRA (peft): > 0 trains rank-r adapters only; the rollout gets the merged weights and the
+    # saved model is the merged one (trainers.engines.lora). alpha 0: = rank (scale 1)
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     # group each rank's rows into micro-batches by response length (long-tail batches pad less;
     # the gradient is the same sum up to float rounding)
     sort_by_length: bool = False
@@ -795,6 +801,9 @@ def _check_common(cfg: Any) -> None:
             ("train.micro_batch_size", t.micro_batch_size, "int>=1"),
             ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, "int>=0"),
             ("train.logprob_chunk_tokens", t.logprob_chunk_tokens, "int>=0"),
+            ("train.lora_rank", t.lora_rank, "int>=0"),
+            ("train.lora_alpha", t.lora_alpha, ">=0"),
+            ("train.lora_dropout", t.lora_dropout, ">=0"),
             ("rollout.temperature", r.temperature, ">0"),
             ("rollout.top_p", r.top_p, "(0,1]"),
             ("rollout.max_tokens", r.max_tokens, "int>=1"),
@@ -808,6 +817,16 @@ def _check_common(cfg: Any) -> None:
         raise ValueError(f"rollout.top_k must be -1 or 0 (off) or a positive int, got {r.top_k!r}")
     if r.max_batch_size is not None:
         _check_numbers([("rollout.max_batch_size", r.max_batch_size, "int>=1")])
+    if t.lora_rank and t.engine == "deepspeed" and t.zero_stage == 3:
+        raise ValueError("train.lora_rank: LoRA with train.engine=deepspeed needs train.zero_stage <= 2")
+    if t.lora_rank and t.engine == "fsdp2":
+        raise ValueError(
+            "train.lora_rank: LoRA is wired for train.engine=torch and deepspeed (ZeRO 0-2), not fsdp2"
+        )
+    if t.lora_rank and not [s for s in t.lora_targets.split(",") if s.strip()]:
+        raise ValueError("train.lora_targets: name at least one module (comma-separated), e.g. q_proj,v_proj")
+    if t.lora_dropout >= 1:
+        raise ValueError(f"train.lora_dropout must be in [0, 1), got {t.lora_dropout!r}")
     if t.logprob_chunk_tokens and t.engine == "deepspeed" and t.zero_stage == 3:
         raise ValueError(
             "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "

@@ -13,6 +13,7 @@ INSTALL_HINTS = {
     "transformers": "'rollkit-rl[hf]'",
     "accelerate": "'rollkit-rl[hf]'",
     "gguf": "'rollkit-rl[hf]'",
+    "peft": "'rollkit-rl[hf]'",
     "torchrl": "'rollkit-rl[torchrl]'",
     "scipy": "'rollkit-rl[ablate]'",
     "numpy": "'rollkit-rl[ablate]'",

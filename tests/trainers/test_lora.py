@@ -177,24 +177,23 @@ def test_engine_paths_give_the_same_adapter_gradients(tok, batch):
             )
 
 
-def test_engine_save_model_of_a_peft_model_writes_only_the_adapter(tok, tmp_path):
-    """TorchTrainEngine.save_model on a peft model is peft's save_pretrained: the adapter and
-    tokenizer, no base weights; loops save with save_lora instead."""
+def test_engine_save_model_of_a_peft_model_writes_the_merged_model(tok, tmp_path):
+    """TorchTrainEngine.save_model on a peft model writes the merged model: a plain
+    transformers checkpoint (config + weights), no adapter files."""
     TorchTrainEngine(policy(tok)).save_model(tmp_path, tok)
-    assert (tmp_path / "adapter_model.safetensors").exists()
-    assert not (tmp_path / "model.safetensors").exists() and not (tmp_path / "config.json").exists()
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
+    assert not (tmp_path / "adapter_model.safetensors").exists()
 
 
-def test_export_weights_of_a_peft_model_are_peft_names(tok):
-    """What TorchTrainEngine.export_weights yields for a peft model: peft's names (base_layer,
-    lora_A/B), which a plain rollout engine rejects; the loop sends merged_weights instead."""
+def test_export_weights_of_a_peft_model_are_the_merged_weights(tok):
+    """TorchTrainEngine.export_weights of a peft model yields merged_weights: the base model's
+    names, which a plain rollout engine takes."""
     engine = TorchTrainEngine(policy(tok))
     names = [n for n, _ in engine.export_weights()]
-    assert all(n.startswith("base_model.model.") for n in names)
-    assert any(".lora_A." in n for n in names)
+    assert names == [n for n, _ in merged_weights(engine.model)]
+    assert not any(n.startswith("base_model.") or ".lora_" in n for n in names)
     rollout = HFRolloutEngine(tiny_qwen2(tok, seed=0), tok)
-    with pytest.raises(KeyError, match="unknown parameter"):
-        rollout.update_weights(engine.export_weights(), version=1)
+    rollout.update_weights(engine.export_weights(), version=1)
 
 
 def test_deepspeed_zero2_trains_the_adapters(tok, batch):
@@ -325,3 +324,34 @@ def test_save_lora_adapter_beside_base_loads_both_ways(tok, batch, tmp_path):
         with auto_peft.disable_adapter():
             torch.testing.assert_close(auto_peft(input_ids=x).logits, base_logits, rtol=0, atol=1e-5)
     assert float((want - base_logits).abs().max()) > 1e-3
+
+
+def test_sync_trainer_with_lora_trains_adapters_and_serves_merged_weights(tmp_path):
+    """train.lora_rank through the config: two RL steps train only the adapters; the rollout
+    engine holds the merged weights (its log-probs equal the trainer's); the saved model is the
+    merged one, a plain transformers checkpoint."""
+    import transformers
+
+    from trainers.config import load_config
+    from trainers.loops import SyncTrainer
+
+    cfg = load_config(
+        ["--model", "tiny", "train.lora_rank=8", "train.lr=1e-2", "data.digits=1", "data.eval_size=8",
+         "eval.before=false", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=3",
+         "train.steps=2", "algorithm.entropy_coef=0.1", "logging.progress=false", f"logging.dir={tmp_path}"]
+    )  # fmt: skip
+    with SyncTrainer(cfg) as tr:
+        base_before = {
+            k: v.detach().clone() for k, v in tr.train.model.named_parameters() if "lora_" not in k
+        }
+        out = tr.fit()
+        params = dict(tr.train.model.named_parameters())
+        assert all(torch.equal(params[k], v) for k, v in base_before.items())  # the base is frozen
+        merged = dict(tr.learner.export_weights())
+        rollout = dict(tr.rollout.model.named_parameters())
+        assert merged.keys() == rollout.keys()
+        assert all(torch.equal(rollout[k], merged[k].to(rollout[k].dtype)) for k in merged)
+        assert any(not torch.equal(merged[k], base_before["base_model.model." + k.replace(".weight", ".base_layer.weight")])
+                   for k in merged if "q_proj.weight" in k)  # fmt: skip
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out["model_dir"])
+    assert all(torch.equal(p, merged[k]) for k, p in saved.named_parameters())

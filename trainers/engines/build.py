@@ -31,6 +31,7 @@ from trainers.engines.base import RolloutEngine, TrainEngine
 from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
 from trainers.engines.fsdp2_train import FSDP2TrainEngine
 from trainers.engines.hf_rollout import HFRolloutEngine
+from trainers.engines.lora import apply_lora
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.engines.vllm_rollout import VLLMRolloutEngine
 from trainers.models import char_tokenizer, default_model_path, is_hub_id, load_model, save_model, tiny_qwen2
@@ -182,6 +183,15 @@ def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
     """The ``train.engine`` engine over ``model`` (``torch``, ``deepspeed`` with
     ``train.zero_stage``, or ``fsdp2``), with the config's optimizer settings and LR schedule."""
     t, dtype, lam = cfg.train, parse_dtype(cfg.model.dtype), lr_lambda(cfg)
+    if getattr(t, "lora_rank", 0):
+        model = apply_lora(
+            model,
+            rank=t.lora_rank,
+            alpha=t.lora_alpha or None,
+            dropout=t.lora_dropout,
+            target_modules=tuple(s.strip() for s in t.lora_targets.split(",") if s.strip()),
+            seed=cfg.seed,
+        )
     kw = dict(
         lr=t.lr,
         weight_decay=t.weight_decay,

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from trainers.deps import require
+from trainers.engines.lora import is_lora, merged_weights, save_lora
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -306,6 +307,10 @@ class DeepSpeedTrainEngine:
             or logprob_chunk_tokens < 0
         ):
             raise ValueError(f"logprob_chunk_tokens must be an int >= 0, got {logprob_chunk_tokens!r}")
+        if zero_stage == 3 and is_lora(model):
+            raise ValueError(
+                "model: a LoRA (peft) model needs zero_stage <= 2 (the merged export reads whole weights)"
+            )
         if logprob_chunk_tokens and zero_stage == 3:
             raise ValueError(
                 "logprob_chunk_tokens: the memory-lean log-probs apply the LM head outside its module's "
@@ -475,6 +480,10 @@ class DeepSpeedTrainEngine:
     def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
         """The policy as a Hugging Face model directory, written by rank 0 from the gathered
         weights (:meth:`export_weights`; ZeRO-3: every rank must call this)."""
+        if is_lora(self.model):  # ZeRO 0-2 (refused with ZeRO-3): the merged model
+            if self.rank == 0:
+                save_lora(self.model, tokenizer, path, merged=True)
+            return Path(path)
         weights = {k: v.clone() for k, v in self.export_weights()}
         if self.rank == 0:
             save_model(self.engine.module, tokenizer, path, state_dict=weights)
@@ -495,6 +504,9 @@ class DeepSpeedTrainEngine:
         all-gather of the group's shards, so exporting costs about one forward's weight
         traffic.
         """
+        if is_lora(self.model):  # the merged weights under the base model's names
+            yield from merged_weights(self.model, dtype)
+            return
         if self.zero_stage != 3:
             for name, p in self.model.named_parameters():
                 t = p.detach()

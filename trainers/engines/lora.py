@@ -28,7 +28,15 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.models import save_model
 
-__all__ = ["BASE_SUBDIR", "LORA_TARGETS", "adapter_weights", "apply_lora", "merged_weights", "save_lora"]
+__all__ = [
+    "BASE_SUBDIR",
+    "LORA_TARGETS",
+    "adapter_weights",
+    "apply_lora",
+    "is_lora",
+    "merged_weights",
+    "save_lora",
+]
 
 #: where :func:`save_lora` writes the base model beside an unmerged adapter
 BASE_SUBDIR = "base"
@@ -66,6 +74,11 @@ def _check_lora_args(model: Any, rank: Any, alpha: Any, dropout: Any, target_mod
             f"target_modules: {missing} name no nn.Linear of {type(model).__name__} (it has {sorted(linear)})"
         )
     return targets
+
+
+def is_lora(model: Any) -> bool:
+    """Whether ``model`` is a peft LoRA model (what :func:`apply_lora` returns)."""
+    return hasattr(model, "peft_config")
 
 
 def apply_lora(

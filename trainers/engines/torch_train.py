@@ -37,6 +37,7 @@ from rollkit.logprobs import lean_token_logprobs
 from rollkit.logprobs import token_logprobs as replay_logprobs
 from rollkit.losses import entropy_from_logits
 from trainers.engines.base import position_ids_from_mask
+from trainers.engines.lora import is_lora, merged_weights, save_lora
 from trainers.models import save_model
 
 __all__ = ["TorchTrainEngine", "response_hidden", "response_logits", "response_logprobs", "token_logprobs"]
@@ -447,7 +448,10 @@ class TorchTrainEngine:
         """The policy as a Hugging Face model directory (``save_pretrained`` of the model and
         ``tokenizer``), written by rank 0 (:func:`trainers.models.save_model`)."""
         if self._rank == 0:
-            save_model(self.model, tokenizer, path)
+            if is_lora(self.model):  # LoRA: the merged model (plain transformers checkpoint)
+                save_lora(self.model, tokenizer, path, merged=True)
+            else:
+                save_model(self.model, tokenizer, path)
         return Path(path)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
@@ -455,8 +459,13 @@ class TorchTrainEngine:
 
         Tied weights appear once (``model.embed_tokens.weight``, not ``lm_head.weight``).
         Tensors are detached views of the live parameters (no copy) unless ``dtype`` asks
-        for a cast: consume them before the next :meth:`step`.
+        for a cast: consume them before the next :meth:`step`. A LoRA model (peft) exports the
+        merged weights ``W + B A * scale`` under the base model's names
+        (:func:`trainers.engines.lora.merged_weights`).
         """
+        if is_lora(self.model):
+            yield from merged_weights(self.model, dtype)
+            return
         for name, p in self.model.named_parameters():
             t = p.detach()
             yield name, (t if dtype is None else t.to(dtype))
