@@ -1,45 +1,19 @@
 """The production training engine: DeepSpeed ZeRO (stages 0-3) behind the TrainEngine interface.
 
 :class:`DeepSpeedTrainEngine` wraps a Hugging Face causal LM in a ``deepspeed.DeepSpeedEngine``
-with a **torch** optimizer (``torch.optim.AdamW`` by default; DeepSpeed's own CPU Adam compiles
-C++ ops for minutes and is never used) and behaves like
-:class:`~trainers.engines.torch_train.TorchTrainEngine`::
+with a **torch** optimizer and behaves like :class:`~trainers.engines.torch_train.TorchTrainEngine`::
 
     lp = engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, temperature=T)
     engine.backward(rollkit.losses.aggregate(loss, mb.response_mask, "token-mean", **norms))
     metrics = engine.step()                      # {"grad_norm", "lr", "skipped"}
     rollout.update_weights(engine.export_weights(), version)
 
-ZeRO stages: 0 (plain data parallel), 1 (optimizer state partitioned across data-parallel
-ranks), 2 (and gradients), 3 (and parameters: each rank holds ``1/world`` of every weight,
-gathered layer by layer in the forward and backward).
-
-Gradient accumulation is rollkit's, not DeepSpeed's. The generated config sets
-``gradient_accumulation_steps=1`` and ``managed_gradient_accumulation=False`` (DeepSpeed >=
-0.18): :meth:`backward` calls ``engine.backward(loss, scale_wrt_gas=False)``, which only
-accumulates (ZeRO-2/3 reduce-scatter each micro-batch into the rank's gradient partition,
-summing), and :meth:`step` is the accumulation boundary where DeepSpeed finishes the
-reduction and applies the update. The loss is never divided by a step count: with
-``rollkit.losses.global_normalizers`` passed to every micro-batch's ``aggregate``, each
-micro-batch loss is already its share of the batch loss, so ``k`` backwards then one step
-give the full-batch gradient at every stage. Across data-parallel ranks DeepSpeed *averages*
-the gradients (as DDP and TorchTrainEngine do); the ``dp_size`` in ``global_normalizers``
-cancels the average, so two ranks with half a batch each take the full-batch step.
-
-Devices and process groups: on CPU, DeepSpeed must be told before it is imported to use its
-CPU accelerator (``DS_ACCELERATOR=cpu``); this module sets it when it is unset and no CUDA
-device is visible, so import it (or build the engine) before anything imports deepspeed. On
-CPU the collectives run over gloo, on GPUs over NCCL. If :mod:`torch.distributed` is not
-initialised the engine starts a one-process group (gloo on CPU, NCCL on GPU) in an in-memory
-store, which stays for the life of the process (do not destroy it: DeepSpeed caches its
-process groups, and a later engine in the same process would fail); a group the caller initialised (``torchrun``,
-``mp.spawn``, Ray) is used as it is, as the data-parallel world. The GPU path (NCCL,
-``cuda:LOCAL_RANK``) follows DeepSpeed's documented setup but is not exercised by rollkit's
-CPU test suite.
-
-Collectives: with several ranks, :meth:`backward` (ZeRO-2/3), :meth:`step`,
-:meth:`export_weights` (ZeRO-3: every rank must consume the whole iterator, in order),
-:meth:`state_dict` and :meth:`load_state_dict` must be called on every rank.
+Gradient accumulation is rollkit's (``k`` backwards, one step, global normalisers), not
+DeepSpeed's. On CPU this module sets ``DS_ACCELERATOR=cpu`` when it is unset and no CUDA device
+is visible: import it before anything imports deepspeed. With several ranks, ``backward``
+(ZeRO-2/3), ``step``, ``export_weights`` (ZeRO-3: every rank drains the iterator),
+``save_model``, ``state_dict`` and ``load_state_dict`` are collectives. The stages, the
+accumulation contract, process groups, export and checkpoints: docs/engines.md ("DeepSpeed").
 """
 
 from __future__ import annotations

