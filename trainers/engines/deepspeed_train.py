@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,11 @@ def _ensure_process_group(device: torch.device) -> bool:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         started = True
+        # DeepSpeed caches a clone of the world group; one from a world that has since been
+        # destroyed (e.g. by an in-process vLLM engine's shutdown) is no longer registered
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None and getattr(groups, "_WORLD_GROUP", None) is not None:
+            groups._WORLD_GROUP = None
     if "LOCAL_RANK" not in os.environ and "OMPI_COMM_WORLD_LOCAL_RANK" not in os.environ:
         if device.type == "cuda" and dist.get_world_size() > 1:
             raise ValueError(
