@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # drive the benchmarks, all of which import trainers/, recipes/ and their backends;
 # test_logprobs.py compares rollkit.logprobs with trainers.engines.hf_rollout (and vLLM).
 NOT_CORE = ("test_docs.py", "test_mkdocs.py", "test_benchmarks_smoke.py", "test_logprobs.py")
-# rollkit modules whose doctests need an extra (rollkit.interop.torchrl needs torchrl).
-NOT_CORE_DOCTESTS = ("rollkit/interop",)
+# rollkit modules whose doctests need an extra (torchrl, TRL, verl, OpenRLHF).
+NOT_CORE_DOCTESTS = ("rollkit/interop", "rollkit/integrations")
 # What a core test may import: the core, the `test` extra, the standard library.
 CORE_IMPORTS = frozenset(
     {"rollkit", "torch", "tensordict", "einops", "pytest", "hypothesis", "numpy", "packaging"}
