@@ -183,7 +183,7 @@ def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
     """The ``train.engine`` engine over ``model`` (``torch``, ``deepspeed`` with
     ``train.zero_stage``, or ``fsdp2``), with the config's optimizer settings and LR schedule."""
     t, dtype, lam = cfg.train, parse_dtype(cfg.model.dtype), lr_lambda(cfg)
-    if getattr(t, "lora_rank", 0):
+    if t.lora_rank:
         model = apply_lora(
             model,
             rank=t.lora_rank,

@@ -120,6 +120,13 @@ def response_logits(
     return out.logits[:, :-1]
 
 
+def _zero_outside(out: Tensor | tuple[Tensor, ...], mask: Tensor) -> Tensor | tuple[Tensor, ...]:
+    """Log-probs (and entropy) with 0 where ``mask`` is False."""
+    if isinstance(out, tuple):
+        return tuple(t.masked_fill(~mask, 0.0) for t in out)
+    return out.masked_fill(~mask, 0.0)
+
+
 def response_hidden(
     model: Any,
     input_ids: Tensor,  # [B, P + T]
@@ -228,9 +235,7 @@ def response_logprobs(
         out = lean_token_logprobs(
             hidden, head.weight, tokens, bias=head.bias, chunk_tokens=chunk_tokens, **sampling
         )
-        if not with_entropy:
-            return out.masked_fill(~mask, 0.0)
-        return out[0].masked_fill(~mask, 0.0), out[1].masked_fill(~mask, 0.0)
+        return _zero_outside(out, mask)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts)
     if 0 < top_k < logits.shape[-1] or top_p < 1.0:
@@ -242,9 +247,7 @@ def response_logprobs(
             top_p=top_p,
             with_entropy=with_entropy,
         )
-        if not with_entropy:
-            return out.masked_fill(~mask, 0.0)
-        return out[0].masked_fill(~mask, 0.0), out[1].masked_fill(~mask, 0.0)
+        return _zero_outside(out, mask)
     lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
     if not with_entropy:
         return lp
