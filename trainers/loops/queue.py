@@ -218,6 +218,12 @@ class QueueScheduler:
             with self.cond:
                 self.cond.notify_all()
 
+    def producer_step(self) -> bool:
+        """One producer step on the caller's thread, what the producer thread repeats: for an
+        outer event loop that owns time (the simulator of benchmarks/sim). Returns whether
+        anything happened."""
+        return self._iteration()
+
     def _iteration(self, *, gather: bool = False) -> bool:
         """One producer step: drop expired groups, admit, step every engine, apply the scores
         (``gather``: wait for every submitted one, as the deterministic schedule does; else the
