@@ -97,9 +97,20 @@ class TrainCost:
     t0: float
     per_token: float
     sync_s: float = 0.0
+    micro_batch: int = 0  # > 0: padded micro-batches of this many samples, sorted by length
 
     def time(self, tokens: int) -> float:
         return self.t0 + self.per_token * tokens
+
+    def batch_time(self, lengths: list[int]) -> float:
+        """Training on samples of these lengths (prompt + response): padded micro-batches of
+        ``micro_batch`` samples sorted by length (the trainers' ``train.sort_by_length``) when
+        ``micro_batch > 0``, else packed (every token counts once)."""
+        if self.micro_batch <= 0:
+            return self.time(sum(lengths))
+        xs = sorted(lengths)
+        mb = self.micro_batch
+        return self.time(sum(len(xs[i : i + mb]) * max(xs[i : i + mb]) for i in range(0, len(xs), mb)))
 
 
 @dataclass(frozen=True)

@@ -187,35 +187,36 @@ class _Instance:
         r.logprobs.extend_run(0.0, k)
         r.token_versions.extend_run(version, k)
 
-    def advance(self, now: float, version: int, busy_until: float, done: list[Request]) -> None:
-        """Run whole iterations up to ``now``, retiring the requests that finish."""
-        while True:
+    def advance(
+        self, now: float, version: int, busy_until: float, done: list[Request], admit: bool = True
+    ) -> None:
+        """Run whole iterations up to ``now``, retiring the requests that finish and admitting
+        waiting ones at each finish; what still waits is admitted at ``now`` (one prefill for
+        everything added at the same instant)."""
+        while self.running and self.t <= now:
             self._pop_dead()
-            if not self.running:  # idle (admit always starts one request when none runs)
-                self.t = max(self.t, now)
-                return
-            if self.t > now:
-                return
             B, kv = len(self.running), self.kv()
             k_next = self.heap[0][0] - self.iters
             dt = self.cost.iterations(k_next, B, kv)
-            if self.t + dt <= now:
-                self.iters += k_next
-                self.t += dt
-                while self.heap and (not self.heap[0][2].live or self.heap[0][0] <= self.iters):
-                    _, _, s = heapq.heappop(self.heap)
-                    if s.live:
-                        self._retire(s, version)
-                        s.req.finish_reason = (
-                            "length" if len(s.req.token_ids) >= s.req.params.max_tokens else "stop"
-                        )
-                        done.append(s.req)
-                self.admit(self.t, busy_until)
-                continue
-            k = self.cost.max_iterations(now - self.t, B, kv)
-            self.t += self.cost.iterations(k, B, kv)
-            self.iters += k
-            return
+            if self.t + dt > now:
+                k = self.cost.max_iterations(now - self.t, B, kv)
+                self.t += self.cost.iterations(k, B, kv)
+                self.iters += k
+                break
+            self.iters += k_next
+            self.t += dt
+            while self.heap and (not self.heap[0][2].live or self.heap[0][0] <= self.iters):
+                _, _, s = heapq.heappop(self.heap)
+                if s.live:
+                    self._retire(s, version)
+                    r = s.req
+                    r.finish_reason = "length" if len(r.token_ids) >= r.params.max_tokens else "stop"
+                    done.append(r)
+            self.admit(self.t, busy_until)
+        if admit and self.waiting and self.t <= now:
+            self.admit(now, busy_until)
+        if not self.running:
+            self.t = max(self.t, now)
 
     def abort(self, rid: str, version: int) -> Request | None:
         s = self.running.get(rid)
@@ -283,14 +284,11 @@ class SimEngine:
                 raise ValueError(f"requests: request {r.request_id!r} is finished or has no budget left")
             inst = min(self.inst, key=lambda i: i.load) if len(self.inst) > 1 else self.inst[0]
             if id(inst) not in touched:
-                inst.advance(now, self.policy_version, self.busy_until, self._done)
+                inst.advance(now, self.policy_version, self.busy_until, self._done, admit=False)
                 touched.add(id(inst))
             inst.waiting.append((r, self._target(r)))
             self.where[r.request_id] = inst
             self.counts["added"] += 1
-        for inst in self.inst:
-            if id(inst) in touched:
-                inst.admit(now, self.busy_until)
 
     def next_event(self) -> float:
         """The time of the next finish (``inf`` if nothing runs)."""
@@ -302,11 +300,12 @@ class SimEngine:
                 inst.advance(now, self.policy_version, self.busy_until, self._done)
 
     def step(self) -> list[Request]:
+        self._advance(self.clock.now)  # admits what was added
         if not self.driven and not self._done and self.where:
             t = self.next_event()
             if t < INF:
                 self.clock.advance_to(t)
-        self._advance(self.clock.now)
+                self._advance(self.clock.now)
         done, self._done = self._done, []
         for r in done:
             del self.where[r.request_id]
@@ -328,8 +327,6 @@ class SimEngine:
             if r is not None:
                 out.append(r)
                 self.counts["aborted"] += 1
-        for inst in self.inst:
-            inst.admit(self.clock.now, self.busy_until)
         return out
 
     def update_weights(self, named_tensors: Any, version: int) -> None:

@@ -197,8 +197,8 @@ def run_queue(
         sch.drop(buffer.abort_expiring())
         tokens = sum(len(r.token_ids) for _, r, _ in batch.samples)
         t1 = clock.now
-        ctx = tokens + len(batch.samples) * s.prompt_len
-        _produce_until(sch, clock, engines, rewards, t1 + s.cost.train.time(ctx), s.tick)
+        lens = [s.prompt_len + len(r.token_ids) for _, r, _ in batch.samples]
+        _produce_until(sch, clock, engines, rewards, t1 + s.cost.train.batch_time(lens), s.tick)
         t2 = clock.now
         sch.update_weights(None, n + 1, keep=keep)
         _produce_until(sch, clock, engines, rewards, t2 + s.cost.train.sync_s, s.tick)
@@ -234,7 +234,8 @@ def run_tail(s: Setting, *, eta_prompts: float = 1.25, eta_responses: float = 1.
         tokens = sum(len(g.token_ids) for _, gens, _ in groups for g in gens)
         samples = sum(len(gens) for _, gens, _ in groups)
         t1 = clock.now
-        clock.advance_to(t1 + s.cost.train.time(tokens + samples * s.prompt_len))
+        lens = [s.prompt_len + len(g.token_ids) for _, gens, _ in groups for g in gens]
+        clock.advance_to(t1 + s.cost.train.batch_time(lens))
         t2 = clock.now
         engine.update_weights(None, n + 1)
         clock.advance_to(t2 + s.cost.train.sync_s)
