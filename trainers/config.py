@@ -64,6 +64,7 @@ __all__ = [
     "config_to_dict",
     "help_text",
     "parse_length_dist",
+    "server_addresses",
     "load_config",
     "parse_args",
 ]
@@ -100,7 +101,7 @@ class DataConfig:
 class RolloutConfig:
     """Sampling. ``prompts_per_step`` x ``n`` samples make the batch of one step."""
 
-    engine: str = "hf"  # "hf" (transformers) or "vllm"
+    engine: str = "hf"  # "hf" (transformers), "vllm" (in process) or "server" (vllm serve over HTTP)
     prompts_per_step: int = 4
     n: int = 8
     temperature: float = 0.7
@@ -119,6 +120,15 @@ class RolloutConfig:
     chunk_tokens: int = 16
     gpu_memory_utilization: float = 0.5  # vLLM on GPUs
     max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
+    # rollout.engine=server (docs/server.md): comma-separated http://host:port of running vllm
+    # servers; "" starts num_servers local ones (logs and weight files in server_dir, "" = a temp dir)
+    servers: str = ""
+    num_servers: int = 1
+    server_dir: str = ""
+    server_timeout_s: float = 30.0  # each control call (health, models, abort, weights)
+    server_request_timeout_s: float = 300.0  # the longest wait for a request's next token
+    server_startup_timeout_s: float = 600.0  # local servers: until all answer /health
+    server_kv_cache_gib: int = 1  # local servers on CPU: VLLM_CPU_KVCACHE_SPACE
 
 
 @dataclass
@@ -739,7 +749,7 @@ def help_text(cfg: Config | None = None) -> str:
 
 # --------------------------------------------------------------------------- validation
 
-ROLLOUT_ENGINES = ("hf", "vllm")
+ROLLOUT_ENGINES = ("hf", "vllm", "server")
 TRAIN_ENGINES = ("torch", "deepspeed", "fsdp2")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 AGENTIC_MODES = ("lockstep", "async")
@@ -993,10 +1003,53 @@ def validate(cfg: Config) -> None:
     _check_algorithm(c)
     _check_data(c)
     parse_length_dist(c.rollout.length_dist)
+    _check_servers(c.rollout)
+    if c.rollout.engine == "server" and c.ray.enabled:
+        raise ValueError(
+            "rollout.engine=server: the inference servers are the rollout workers (rollout.num_servers "
+            "or rollout.servers); set ray.enabled=false"
+        )
+    if c.rollout.engine == "server" and c.asynchronous.num_engines != 1:
+        raise ValueError(
+            f"asynchronous.num_engines={c.asynchronous.num_engines}: with rollout.engine=server one engine "
+            "routes over all servers; set rollout.num_servers (or rollout.servers) instead"
+        )
     _check_checkpoint(c)
     _check_tail_batching(c)
     if c.asynchronous.enabled:
         validate_async(c)
+
+
+def server_addresses(spec: str) -> list[str]:
+    """``rollout.servers`` as a list of ``http://host:port`` addresses (``""``: none)."""
+    out = []
+    for part in (p.strip() for p in str(spec).split(",")):
+        if not part:
+            continue
+        scheme, _, rest = part.partition("://")
+        host, _, port = rest.rstrip("/").rpartition(":")
+        if scheme not in ("http", "https") or not host or not port.isdigit():
+            raise ValueError(
+                f"rollout.servers: expected comma-separated http://host:port addresses, got {part!r}"
+            )
+        out.append(part.rstrip("/"))
+    return out
+
+
+def _check_servers(r: RolloutConfig) -> None:
+    """The ``rollout.engine=server`` fields (checked whatever the engine, as they are cheap)."""
+    server_addresses(r.servers)
+    _check_numbers(
+        [
+            ("rollout.num_servers", r.num_servers, "int>=1"),
+            ("rollout.server_timeout_s", r.server_timeout_s, ">0"),
+            ("rollout.server_request_timeout_s", r.server_request_timeout_s, ">0"),
+            ("rollout.server_startup_timeout_s", r.server_startup_timeout_s, ">0"),
+            ("rollout.server_kv_cache_gib", r.server_kv_cache_gib, "int>=1"),
+        ]
+    )
+    if r.servers and r.engine != "server":
+        raise ValueError(f"rollout.servers is set but rollout.engine={r.engine!r}: set rollout.engine=server")
 
 
 def _check_checkpoint(c: Any) -> None:
@@ -1017,7 +1070,7 @@ def _check_tail_batching(c: Config) -> None:
     if c.ray.enabled:
         raise ValueError(
             "tail_batching.enabled: tail batching drives a request-level rollout engine "
-            "(rollout.engine=hf or vllm in this process); ray.enabled=true uses a Ray rollout "
+            "(rollout.engine=hf, vllm or server in this process); ray.enabled=true uses a Ray rollout "
             "group, which has none: set ray.enabled=false or tail_batching.enabled=false"
         )
     for name, eta in (

@@ -2,7 +2,7 @@
 
 Embedded defaults, which run anywhere: :class:`HFRolloutEngine` (transformers sampling loop)
 and :class:`TorchTrainEngine` (plain PyTorch). vLLM and DeepSpeed engines implement the same
-protocols. transformers, vLLM and DeepSpeed are imported only when an engine is built;
+protocols; :class:`ServerRolloutEngine` drives ``vllm serve`` processes over HTTP. transformers, vLLM and DeepSpeed are imported only when an engine is built;
 :mod:`trainers.engines.build` makes engines from a config.
 """
 
@@ -27,6 +27,7 @@ from trainers.engines.requests import (
     VLLMRequestEngine,
     as_request_engine,
 )
+from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.engines.torch_train import TorchTrainEngine, token_logprobs
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "RequestEngine",
     "RolloutEngine",
     "SamplingParams",
+    "ServerRolloutEngine",
     "TorchTrainEngine",
     "TrainEngine",
     "VLLMRequestEngine",

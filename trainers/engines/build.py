@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
-from trainers.config import ROLLOUT_ENGINES, TRAIN_ENGINES
+from trainers.config import ROLLOUT_ENGINES, TRAIN_ENGINES, server_addresses
 from trainers.engines.base import RolloutEngine, TrainEngine
 from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
 from trainers.engines.fsdp2_train import FSDP2TrainEngine
 from trainers.engines.hf_rollout import HFRolloutEngine
 from trainers.engines.lora import apply_lora
+from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.engines.vllm_rollout import VLLMRolloutEngine
 from trainers.models import char_tokenizer, default_model_path, is_hub_id, load_model, save_model, tiny_qwen2
@@ -46,6 +47,7 @@ __all__ = [
     "fast_bf16",
     "lr_lambda",
     "make_rollout_engine",
+    "make_server_engine",
     "make_train_engine",
     "parse_dtype",
     "rollout_dtype",
@@ -176,7 +178,52 @@ def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) ->
         )
         eng.model_dir = tmp  # removed with the engine
         return eng
+    if r.engine == "server":
+        return make_server_engine(cfg, model, tokenizer, device=device)
     raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
+
+
+def make_server_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> ServerRolloutEngine:
+    """``rollout.engine=server``: a :class:`~trainers.engines.server_rollout.ServerRolloutEngine`
+    over ``rollout.servers`` (which then get ``model``'s weights, version 0) or over
+    ``rollout.num_servers`` local ``vllm serve`` processes of ``model``. The model, the server
+    logs and the weight files live in ``rollout.server_dir`` (``""``: a temporary directory that
+    lives as long as the engine, ``engine.model_dir``)."""
+    r = cfg.rollout
+    tmp = None
+    if r.server_dir:
+        run = Path(r.server_dir)
+        run.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="rollkit-servers-")
+        run = Path(tmp.name)
+    model_path = save_model(model, tokenizer, run / "model")
+    dtype = dtype_name(rollout_dtype(cfg, device))
+    kw = dict(
+        tokenizer=tokenizer,
+        timeout_s=r.server_timeout_s,
+        request_timeout_s=r.server_request_timeout_s,
+        weights_dir=run / "weights",
+        dtype=dtype,
+        # vLLM's CPU sampler cannot rewind a seeded generator over a split prefill (see
+        # trainers.engines.requests.VLLMRequestEngine): CPU servers sample unseeded
+        seeded=torch.cuda.is_available(),
+    )
+    addresses = server_addresses(r.servers)
+    if addresses:
+        eng = ServerRolloutEngine(addresses, model_path=model_path, **kw)
+        eng.update_weights(model.named_parameters(), version=0)
+    else:
+        eng = ServerRolloutEngine.launch(
+            model_path,
+            num_servers=r.num_servers,
+            run_dir=run,
+            startup_timeout_s=r.server_startup_timeout_s,
+            server_kw=dict(max_model_len=r.max_model_len, seed=cfg.seed, kv_cache_gib=r.server_kv_cache_gib),
+            **kw,
+        )
+    eng.model_dir = tmp  # removed with the engine
+    return eng
 
 
 def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:

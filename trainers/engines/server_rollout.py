@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -91,6 +92,10 @@ def _sampling_body(p: SamplingParams, max_tokens: int, seed: int | None) -> dict
     }
 
 
+def _stop_local(servers: list[LocalServer]) -> None:
+    stop_servers(servers)
+
+
 def _continuation_seed(req: Request) -> int | None:
     s = req.params.seed
     return None if s is None else (s + 1_000_003 * len(req.token_ids)) % (2**62)
@@ -114,8 +119,9 @@ class ServerRolloutEngine:
         max_retries: how often one request may move to another server before the engine gives up.
         seeded: send the requests' seeds (``SamplingParams.seed``; a continued request a
             derived seed); ``False``: the servers sample unseeded.
-        local_servers: servers rollkit started (:func:`~trainers.engines.vllm_server.launch_servers`):
-            stopped by :meth:`shutdown` and restarted when one dies (``restart``).
+        local_servers: the processes of the first ``len(local_servers)`` addresses when rollkit
+            started them (:func:`~trainers.engines.vllm_server.launch_servers`): stopped by
+            :meth:`shutdown` (or when the engine is collected) and replaced when one dies (``restart``).
         restart_kw: how to start a replacement (:func:`~trainers.engines.vllm_server.start_server`'s arguments).
 
     >>> eng = ServerRolloutEngine.launch("ckpt/", num_servers=2, run_dir="runs/servers")  # doctest: +SKIP
@@ -145,9 +151,10 @@ class ServerRolloutEngine:
         self.clients = [ServerClient(u, timeout_s=timeout_s) for u in urls]
         self.timeout_s, self.request_timeout_s = float(timeout_s), float(request_timeout_s)
         self.max_retries, self.seeded, self.dtype = int(max_retries), bool(seeded), dtype
-        self.local_servers: list[LocalServer | None] = list(local_servers) + [None] * (
-            len(urls) - len(local_servers)
-        )
+        if len(local_servers) > len(urls):
+            raise ValueError(f"local_servers: {len(local_servers)} servers for {len(urls)} addresses")
+        self.local_servers: list[LocalServer] = list(local_servers)  # every server started, to stop
+        self._proc: dict[int, LocalServer] = dict(enumerate(local_servers))  # server index -> process
         self.restart, self.restart_kw = bool(restart), dict(restart_kw or {})
         self.tokenizer = tokenizer
         self.model_name, self.max_model_len = self._check_models()
@@ -161,10 +168,13 @@ class ServerRolloutEngine:
         self.pad_token_id, self.eos_token_ids = self._special_ids(tokenizer)
         self._live: set[int] = set(range(len(self.clients)))
         self._jobs: dict[str, _Job] = {}
+        self._direct: dict[int, int] = {}  # server -> requests of generate_one in flight
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="rollkit-server")
         self._metrics = _Metrics()
         self.sleep_frees_memory = False
+        # the servers rollkit started stop with the engine (and at exit, whichever comes first)
+        self._finalizer = weakref.finalize(self, _stop_local, self.local_servers)
 
     # ------------------------------------------------------------------ construction
 
@@ -262,8 +272,8 @@ class ServerRolloutEngine:
         """The live server with the fewest outstanding requests (lowest index on ties)."""
         if not self._live:
             raise ServerError(f"no live servers left ({self._metrics.dropped} dropped)")
-        load = {i: 0 for i in self._live}
-        for j in self._jobs.values():
+        load = {i: self._direct.get(i, 0) for i in self._live}
+        for j in list(self._jobs.values()):
             if j.server in load:
                 load[j.server] += 1
         return min(load, key=lambda i: (load[i], i))
@@ -273,14 +283,17 @@ class ServerRolloutEngine:
         for r in requests:
             _check_new(r, held)
             held.add(r.request_id)
-            need = len(r.prompt_ids) + r.params.max_tokens
-            if self.max_model_len is not None and need > self.max_model_len:
-                raise ValueError(
-                    f"request {r.request_id!r}: prompt ({len(r.prompt_ids)} tokens) + max_tokens "
-                    f"({r.params.max_tokens}) = {need} exceeds the servers' max_model_len {self.max_model_len}"
-                )
+            self._check_length(r)
         for r in requests:
             self._submit(r, tries=0)
+
+    def _check_length(self, r: Request) -> None:
+        need = len(r.prompt_ids) + r.params.max_tokens
+        if self.max_model_len is not None and need > self.max_model_len:
+            raise ValueError(
+                f"request {r.request_id!r}: prompt ({len(r.prompt_ids)} tokens) + max_tokens "
+                f"({r.params.max_tokens}) = {need} exceeds the servers' max_model_len {self.max_model_len}"
+            )
 
     def _submit(self, req: Request, tries: int) -> None:
         server = self._pick_server()
@@ -346,22 +359,60 @@ class ServerRolloutEngine:
                 self._reroute(job, why)
         return done
 
-    def _reroute(self, job: _Job, why: str) -> None:
-        """Continue a request whose server failed on another live server, from its last token."""
+    def _failed(self, job: _Job, why: str) -> None:
+        """A request's server failed: drop the server if it no longer answers ``/health``;
+        raise once the request has failed ``max_retries + 1`` times."""
         self._metrics.errors += 1
         if not self.clients[job.server].healthy(timeout=min(5.0, self.timeout_s)):
             self._drop(job.server)
         if job.tries >= self.max_retries:
             raise ServerError(f"request {job.req.request_id!r} failed {job.tries + 1} times; last: {why}")
         self._metrics.rerouted += 1
+
+    def _reroute(self, job: _Job, why: str) -> None:
+        """Continue a request whose server failed on another live server, from its last token."""
+        self._failed(job, why)
         self._submit(job.req, tries=job.tries + 1)
+
+    def generate_one(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """One sample (``params.n`` is ignored) generated on the calling thread: safe to call from
+        many threads at once (an HTTP endpoint's handlers), apart from :meth:`add` / :meth:`step`.
+        Routed, re-routed and checked like a request."""
+        req = Request(
+            f"one-{uuid.uuid4().hex[:12]}", [int(t) for t in prompt_ids], dataclasses.replace(params, n=1)
+        )
+        _check_new(req, set())
+        self._check_length(req)
+        tries = 0
+        while True:
+            with self._lock:
+                server = self._pick_server()
+                self._direct[server] = self._direct.get(server, 0) + 1
+                self._metrics.requests += 1
+            job = _Job(req, server, f"{req.request_id}-{tries}", self.policy_version, tries=tries)
+            try:
+                self._run(job)
+                exc: ServerError | None = None
+            except ServerError as e:
+                exc = e
+            finally:
+                with self._lock:
+                    self._direct[server] -= 1
+            if exc is None and job.finish in ("stop", "length"):
+                req.finish_reason = job.finish
+                return dataclasses.replace(req.to_generation(0), policy_version=job.version)
+            if exc is not None and exc.status is not None and 400 <= exc.status < 500:
+                raise ServerError(f"request {req.request_id!r}: {exc}", exc.status)
+            with self._lock:
+                self._failed(job, str(exc) if exc is not None else f"finished with {job.finish!r}")
+            tries += 1
 
     def _drop(self, server: int) -> None:
         if server not in self._live:
             return
         self._live.discard(server)
         self._metrics.dropped += 1
-        local = self.local_servers[server]
+        local = self._proc.get(server)
         if local is not None:
             local.stop()
             if self.restart and self.restart_kw:
@@ -372,7 +423,8 @@ class ServerRolloutEngine:
         weights, then put it back in the rotation."""
         kw = dict(self.restart_kw)
         model_path, run_dir, deadline = kw.pop("model_path"), kw.pop("run_dir"), kw.pop("startup_timeout_s")
-        new = start_server(model_path, run_dir, index=len(self.local_servers) + server, **kw)
+        new = start_server(model_path, run_dir, index=len(self.local_servers), **kw)
+        self.local_servers.append(new)  # stopped with the engine even before it joins
         try:
             wait_healthy([new], deadline)
             client = ServerClient(new.url, timeout_s=self.timeout_s)
@@ -382,7 +434,10 @@ class ServerRolloutEngine:
             new.stop()
             return
         with self._lock:
-            self.clients[server], self.local_servers[server] = client, new
+            if self._pool._shutdown:  # the engine was shut down meanwhile
+                new.stop()
+                return
+            self.clients[server], self._proc[server] = client, new
             self._live.add(server)
             self._metrics.restarted += 1
 
@@ -549,11 +604,10 @@ class ServerRolloutEngine:
 
     def shutdown(self) -> None:
         """Abort what runs, stop the servers rollkit started, remove a private weights directory."""
-        with_live = [s for s in self.local_servers if s is not None]
         if self._jobs:
             self.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        stop_servers(with_live)
+        self._finalizer()
         if self._own_weights_dir:
             import shutil
 

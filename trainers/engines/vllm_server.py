@@ -168,7 +168,12 @@ class ServerClient:
                     return
                 event = json.loads(payload)
                 if isinstance(event, dict) and "error" in event and "choices" not in event:
-                    raise ServerError(f"server {self.url}: POST {path}: {_error_text(payload)}")
+                    err = event["error"]
+                    code = err.get("code") if isinstance(err, dict) else None
+                    raise ServerError(
+                        f"server {self.url}: POST {path} answered {code or 'an error'}: {_error_text(payload)}",
+                        code if isinstance(code, int) else None,
+                    )
                 yield event
 
 

@@ -1,0 +1,235 @@
+"""The server rollout engine against real ``vllm serve`` processes (CPU build) and the tiny Qwen2.
+
+Two servers are started once per module (through the config: ``rollout.engine=server``,
+``rollout.num_servers=2``) and shared; every test that compares log-probs first sends the
+weights it compares against. The killed-server test runs last (it leaves one server). The
+servers are stopped by the fixture's teardown (their process groups), also when a test fails.
+
+Tolerance: as in test_vllm_engine.py, vLLM's processed log-probs and the trainer's float32
+recomputation agree to about 1e-6 on CPU (measured); ``ATOL = 1e-4``.
+"""
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest.importorskip("transformers")
+pytest.importorskip("vllm")
+
+import torch
+
+from trainers.config import load_config, validate
+from trainers.engines import Request, SamplingParams, TorchTrainEngine, pack_generations
+from trainers.engines.build import make_rollout_engine
+from trainers.engines.server_rollout import ServerRolloutEngine
+from trainers.engines.vllm_server import ServerClient, ServerError, free_port, stop_servers
+from trainers.loops import SyncTrainer
+from trainers.models import char_tokenizer, tiny_qwen2
+
+pytestmark = pytest.mark.slow
+
+ATOL = 1e-4
+# head_dim 32: vLLM's CPU attention has no head size 16 (the tiny model's default)
+MODEL_KW = {"hidden_size": 64, "heads": 2, "kv_heads": 1}
+TINY = ["--model", "tiny", "model.tiny_heads=2", "model.tiny_kv_heads=1"]
+TEXTS = ["7+5=", "What is 12+34? ", "Compute 3*9. "]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def base_model(tok):
+    return tiny_qwen2(tok, seed=0, **MODEL_KW)
+
+
+@pytest.fixture(scope="module")
+def engine(tok, base_model, tmp_path_factory):
+    run = tmp_path_factory.mktemp("servers")
+    cfg = load_config(
+        [
+            *TINY,
+            "rollout.engine=server",
+            "rollout.num_servers=2",
+            f"rollout.server_dir={run}",
+            "rollout.max_model_len=256",
+        ]
+    )
+    eng = make_rollout_engine(cfg, copy.deepcopy(base_model), tok, device="cpu")
+    started = list(eng.local_servers)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+        stop_servers(started + list(eng.local_servers))
+        assert all(not s.alive() for s in eng.local_servers)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok(t).input_ids for t in TEXTS]
+
+
+def trainer_logprobs(model, gens, tok, **kw):
+    b = pack_generations(gens, tok.pad_token_id)
+    with torch.no_grad():
+        lp = TorchTrainEngine(copy.deepcopy(model)).logprobs(
+            b.input_ids, b.attention_mask, b.response_mask, **kw
+        )
+    return lp, b
+
+
+def max_err(model, gens, tok, **kw):
+    lp, b = trainer_logprobs(model, gens, tok, **kw)
+    return float(((lp - b.old_logprobs).abs() * b.response_mask).max())
+
+
+def test_generate_token_exact_across_two_servers(engine, base_model, tok, prompts):
+    engine.update_weights(base_model.named_parameters(), version=0)
+    before = dict(engine.requests_per_server())
+    params = SamplingParams(n=2, max_tokens=8, temperature=1.0)
+    gens = engine.generate(prompts, params)
+    assert len(gens) == 6 and [g.prompt_index for g in gens] == [0, 0, 1, 1, 2, 2]
+    for g in gens:
+        assert g.prompt_ids == prompts[g.prompt_index]  # ids round trip, nothing re-tokenised
+        assert 1 <= len(g.token_ids) == len(g.logprobs) <= 8 and g.finish_reason in ("stop", "length")
+    assert max_err(base_model, gens, tok, temperature=1.0) < ATOL
+    # top-k / top-p: the served log-probs are those of the truncated distribution the trainer replays
+    trunc = SamplingParams(n=2, max_tokens=8, temperature=0.7, top_k=5, top_p=0.9)
+    assert (
+        max_err(base_model, engine.generate(prompts, trunc), tok, temperature=0.7, top_k=5, top_p=0.9) < ATOL
+    )
+    after = engine.requests_per_server()
+    assert len(after) == 2 and all(after[u] - before.get(u, 0) >= 3 for u in after), after
+
+
+def test_routing_abort_and_continue(engine, prompts):
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    engine.add([Request(f"r{i}", prompts[i % 3], params) for i in range(4)])
+    loads = sorted(sum(j.server == s for j in engine._jobs.values()) for s in range(2))
+    assert loads == [2, 2]  # least outstanding requests: two per server
+    time.sleep(0.5)
+    stopped = engine.abort()
+    assert engine.num_running == 0 and len(stopped) == 4
+    for r in stopped:
+        assert r.finish_reason is None and len(r.token_ids) == len(r.logprobs) < 120
+    kept = {r.request_id: list(r.token_ids) for r in stopped}
+    engine.add(stopped)
+    done = []
+    deadline = time.monotonic() + 120
+    while engine.num_running and time.monotonic() < deadline:
+        done += engine.step()
+    assert len(done) == 4
+    for r in done:
+        assert r.finish_reason == "length" and len(r.token_ids) == 120
+        assert r.token_ids[: len(kept[r.request_id])] == kept[r.request_id]  # continued after its tokens
+
+
+def test_update_weights_served_logprobs_equal_trainers(engine, base_model, tok, prompts):
+    new = tiny_qwen2(tok, seed=1, **MODEL_KW)
+    t0 = time.perf_counter()
+    engine.update_weights(new.named_parameters(), version=3)
+    print(f"update_weights over 2 servers: {time.perf_counter() - t0:.3f} s")
+    assert engine.policy_version == 3
+    gens = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0))
+    assert all(g.policy_version == 3 for g in gens)
+    assert max_err(new, gens, tok, temperature=1.0) < ATOL
+    assert max_err(base_model, gens, tok, temperature=1.0) > 1e-2  # the old weights are gone
+    for c in engine.clients:
+        assert c.get("/weight_info")["weight_version"] == "3"
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))], version=4)
+    engine.update_weights(base_model.named_parameters(), version=0)
+
+
+def test_bad_input_gives_clear_errors(engine, prompts):
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError, match=rf"127.0.0.1:{port}.*/v1/models failed"):
+        ServerRolloutEngine([f"http://127.0.0.1:{port}"], timeout_s=2)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError, match="http://host:port"):
+        ServerClient("localhost:8000")
+    with pytest.raises(ValueError, match="max_model_len 256"):
+        engine.add([Request("long", prompts[0], SamplingParams(max_tokens=300))])
+    assert engine.num_running == 0
+    # the server answers an error (a token id outside the vocabulary): one line naming the request
+    engine.add([Request("bad", [10**6], SamplingParams(max_tokens=4))])
+    with pytest.raises(ServerError, match=r"request 'bad'.*answered 4\d\d"):
+        while engine.num_running:
+            engine.step()
+    assert engine.num_running == 0
+    # model mismatch: a tokenizer that encodes differently from the servers'
+    other = copy.copy(char_tokenizer())
+    with pytest.raises(ServerError, match="model mismatch"):
+        ServerRolloutEngine([c.url for c in engine.clients], tokenizer=_Shifted(other))
+    with pytest.raises(ValueError, match=r"rollout\.servers"):
+        validate(load_config([*TINY, "rollout.engine=server", "rollout.servers=localhost"]))
+    with pytest.raises(ValueError, match=r"rollout\.num_servers"):
+        validate(load_config([*TINY, "rollout.engine=server", "rollout.num_servers=0"]))
+
+
+class _Shifted:
+    """A tokenizer whose ids are the character tokenizer's plus one (a different vocabulary)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text, add_special_tokens=True):
+        out = self.tok(text, add_special_tokens=add_special_tokens)
+        out["input_ids"] = [i + 1 for i in out["input_ids"]]
+        return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "tail"])
+def test_loops_run_on_servers(engine, tmp_path, mode):
+    """The sync, asynchronous and tail-batching loops, unchanged, over the servers."""
+    extra = {
+        "sync": [],
+        "async": ["asynchronous.enabled=true"],
+        "tail": ["tail_batching.enabled=true"],
+    }[mode]
+    urls = ",".join(c.url for c in engine.clients)
+    cfg = load_config(
+        [
+            *TINY, "data.digits=1", "data.eval_size=8", "eval.before=false", "eval.every=0",
+            "rollout.engine=server", f"rollout.servers={urls}",
+            "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4", "train.steps=2",
+            "train.lr=1e-3", f"logging.dir={tmp_path}", "logging.progress=false", *extra,
+        ]
+    )  # fmt: skip
+    if mode == "async":
+        from trainers.loops import AsyncTrainer as Trainer
+    else:
+        Trainer = SyncTrainer
+    with Trainer(
+        cfg, model=tiny_qwen2(char_tokenizer(), seed=0, **MODEL_KW), tokenizer=char_tokenizer()
+    ) as tr:
+        assert isinstance(tr.rollout, ServerRolloutEngine)
+        hist = [r for r in tr.fit()["history"] if "reward/mean" in r]
+        assert len(hist) == 2
+        assert tr.rollout.policy_version == 2
+        tr.rollout.shutdown()
+
+
+def test_killed_server_is_dropped_and_its_requests_continue(engine, prompts):
+    engine.restart = False  # a replacement would take a minute of this machine's two cores
+    params = SamplingParams(max_tokens=150, ignore_eos=True)
+    engine.add([Request(f"k{i}", prompts[i % 3], params) for i in range(4)])
+    victim = engine._proc[1]
+    time.sleep(0.3)
+    os.killpg(victim.process.pid, signal.SIGKILL)
+    done, deadline = [], time.monotonic() + 120
+    while engine.num_running and time.monotonic() < deadline:
+        done += engine.step()
+    assert sorted(r.request_id for r in done) == ["k0", "k1", "k2", "k3"]  # nothing lost
+    assert all(len(r.token_ids) == 150 and r.finish_reason == "length" for r in done)
+    m = engine.metrics()
+    assert m["server/dropped"] == 1 and m["server/live"] == 1 and m["server/rerouted"] >= 1, m
