@@ -256,10 +256,13 @@ def token_logprobs(
 # ----------------------------------------------------------------------------- lean path
 
 
-def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
-    """``[n, H]`` hidden rows -> ``[n, V]`` float32 tempered logits (the same ops in the
-    forward and in the backward's recomputation, so both see bit-identical values)."""
+def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float, cdt: torch.dtype) -> Tensor:
+    """``[n, H]`` hidden rows -> ``[n, V]`` tempered logits in ``cdt`` (the same ops in the
+    forward and in the backward's recomputation, so both see bit-identical values). ``w`` is
+    in the matmul's dtype: ``cdt``, or a low precision whose product is then upcast."""
     z = h.to(w.dtype) @ w.T
+    if z.dtype != cdt:
+        z = z.to(cdt)
     if b is not None:
         z = z + b
     if temperature != 1.0:
@@ -287,9 +290,9 @@ class _LeanLogprobs(torch.autograd.Function):
     """Chunked forward; the backward recomputes each chunk's logits (nothing ``[N, V]`` saved)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tok, temperature, top_k, top_p, with_entropy, chunk):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, tok, temperature, top_k, top_p, with_entropy, chunk, mdt):  # type: ignore[override]
         cdt = _compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
-        w = weight.to(cdt)
+        w = weight.to(mdt or cdt)
         b = None if bias is None else bias.to(cdt)
         N = hidden.shape[0]
         lp = torch.empty(N, dtype=cdt, device=hidden.device)
@@ -298,7 +301,7 @@ class _LeanLogprobs(torch.autograd.Function):
         shift = torch.empty(N, dtype=cdt, device=hidden.device)
         outside = torch.zeros(N, dtype=torch.bool, device=hidden.device)
         for s in range(0, N, chunk):
-            z = _chunk_logits(hidden[s : s + chunk], w, b, temperature)
+            z = _chunk_logits(hidden[s : s + chunk], w, b, temperature, cdt)
             kept, outside[s : s + chunk] = _kept_with_tokens(z, tok[s : s + chunk], top_k, top_p)
             m = _row_max(z)
             shift[s : s + chunk] = m.squeeze(-1)
@@ -311,7 +314,7 @@ class _LeanLogprobs(torch.autograd.Function):
                 ent[s : s + chunk] = lse - q.mul_(sm.masked_fill_(q == 0, 0.0)).sum(-1)
             del z, sm, kept
         ctx.save_for_backward(hidden, weight, bias, tok, shift, lse_all, ent if with_entropy else None)
-        ctx.sampling = (temperature, top_k, top_p, chunk)
+        ctx.sampling = (temperature, top_k, top_p, chunk, mdt)
         ctx.mark_non_differentiable(outside)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -320,16 +323,17 @@ class _LeanLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_outside):  # type: ignore[override]
         hidden, weight, bias, tok, shift, lse, ent = ctx.saved_tensors
-        temperature, top_k, top_p, chunk = ctx.sampling
+        temperature, top_k, top_p, chunk, mdt = ctx.sampling
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        w = weight.to(lse.dtype)
-        b = None if bias is None else bias.to(lse.dtype)
+        cdt = lse.dtype
+        w = weight.to(mdt or cdt)
+        b = None if bias is None else bias.to(cdt)
         gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros_like(w) if need_w else None
+        gw = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None
         gb = torch.zeros_like(b) if need_b and b is not None else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            z = _chunk_logits(h, w, b, temperature)
+            z = _chunk_logits(h, w, b, temperature, cdt)
             kept, _ = _kept_with_tokens(z, tok[s : s + chunk], top_k, top_p)
             ge = None if ent is None else g_ent[s : s + chunk]
             e = None if ent is None else ent[s : s + chunk]
@@ -338,15 +342,19 @@ class _LeanLogprobs(torch.autograd.Function):
             del z, kept
             if temperature != 1.0:
                 g.div_(temperature)
-            if gh is not None:
-                gh[s : s + chunk] = g @ w
-            if gw is not None:
-                gw.addmm_(g.T, h.to(w.dtype))
             if gb is not None:
                 gb.add_(g.sum(0))
+            if mdt is not None:  # the two matmuls in the low precision, like autograd's under autocast
+                g = g.to(mdt)
+            if gh is not None:
+                gh[s : s + chunk] = g @ w
+            if gw is not None and mdt is None:
+                gw.addmm_(g.T, h.to(w.dtype))
+            elif gw is not None:
+                gw.add_(g.T @ h.to(mdt))
         gw = None if gw is None else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
-        return gh, gw, gb, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None
 
 
 def lean_token_logprobs(
@@ -361,6 +369,7 @@ def lean_token_logprobs(
     with_entropy: bool = False,
     chunk_tokens: int = 256,
     return_outside: bool = False,
+    matmul_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """:func:`token_logprobs` of ``hidden @ weight.T (+ bias)``, without the ``[N, V]`` logits.
 
@@ -372,12 +381,18 @@ def lean_token_logprobs(
     (and entropy), and whose backward recomputes each chunk's logits and kept set, forms the
     ``[chunk, V]`` gradient of the renormalised log-softmax (and entropy), and accumulates the
     gradients of ``hidden``, ``weight`` and ``bias``: the extra memory is ``O(chunk_tokens x V)``,
-    never ``[N, V]`` (plus a float32 ``[V, H]`` copy of a low-precision ``weight`` and the
-    ``[V, H]`` float32 gradient accumulator). Same values and gradients as the plain path up to
-    float rounding (each row is independent; the chunking changes only the peak memory), same
-    sampled-token rule and same returns (``logprobs``, ``entropy`` with ``with_entropy``,
-    ``outside`` with ``return_outside``). Inputs of any float dtype are upcast to float32 per
-    chunk (float64 stays float64); gradients come back in the inputs' dtypes. No double backward.
+    never ``[N, V]`` (plus a ``[V, H]`` copy of ``weight`` in the matmul's dtype where it differs
+    and the ``[V, H]`` float32 gradient accumulator). Same values and gradients as the plain path
+    up to float rounding (each row is independent; the chunking changes only the peak memory),
+    same sampled-token rule and same returns (``logprobs``, ``entropy`` with ``with_entropy``,
+    ``outside`` with ``return_outside``). By default inputs of any float dtype are upcast to
+    float32 per chunk (float64 stays float64), the matmuls included; gradients come back in the
+    inputs' dtypes. ``matmul_dtype=torch.bfloat16`` (or ``float16``) runs the three matmuls of a
+    chunk (logits, and the backward's ``dlogits @ W`` and ``dlogits.T @ hidden``) in that
+    precision, as the plain path does under autocast (its logits are bf16, upcast for the
+    softmax), while the softmax, the entropy and the ``weight`` gradient's accumulation stay
+    float32: on a GPU, float32 matmuls are several times slower than bf16 ones (an H100:
+    ``docs/benchmarks.md``). No double backward.
     The default ``chunk_tokens=256`` keeps a chunk's float32 logits at 50 MB for a 49k
     vocabulary (about 9x less peak memory than the plain path at 2048 tokens, see
     ``docs/benchmarks.md``); larger chunks trade memory for fewer, larger matmuls.
@@ -410,10 +425,23 @@ def lean_token_logprobs(
             raise ValueError(f"bias: expected shape [{V}] (weight's V), got {list(bias.shape)}")
     t, k, p = _check_sampling(temperature, top_k, top_p)
     chunk = check_positive_int("chunk_tokens", chunk_tokens)
+    if matmul_dtype not in (None, torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(f"matmul_dtype: expected None or a float dtype, got {matmul_dtype!r}")
+    if matmul_dtype in (torch.float32, torch.float64):
+        matmul_dtype = None  # the compute dtype's own matmul
     lead = tuple(hidden.shape[:-1])
     tok = _check_tokens(tokens, lead, V, "weight").long().reshape(-1)
     lp, ent, outside = _LeanLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, tok, t, k, p, bool(with_entropy), chunk
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        tok,
+        t,
+        k,
+        p,
+        bool(with_entropy),
+        chunk,
+        matmul_dtype,
     )
     out: tuple[Tensor, ...] = (lp.reshape(lead),)
     if with_entropy:

@@ -338,3 +338,41 @@ def test_bad_shapes_and_tokens():
         lean_token_logprobs(torch.randn(2, 3), torch.randn(5, 3), tok, chunk_tokens=0)
     with pytest.raises(ValueError, match=r"tokens: must be in \[0, 5\)"):
         lean_token_logprobs(torch.randn(2, 3), torch.randn(5, 3), torch.tensor([0, 7]))
+
+
+@pytest.mark.parametrize("mdt", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_lean_low_precision_matmul_is_the_autocast_plain_path(mdt, wdt):
+    """``matmul_dtype``: the chunk's matmuls in low precision, as the plain path's under
+    autocast (its logits rounded to ``mdt``, then float32 softmax); gradients in the inputs'
+    dtypes, within the low precision's rounding of the float32 ones."""
+    hidden, weight, b, tokens = lm_case(7, (3, 9), 16, 64, dtype=torch.float32)
+    hidden, weight = hidden.to(mdt if wdt != torch.float32 else torch.float32), weight.to(wdt)
+    kw = dict(temperature=0.9, with_entropy=True, top_k=20, top_p=0.95)
+    (lp, ent), (gh, gw, gb) = _grads(lean, hidden, weight, b, tokens, chunk_tokens=5, matmul_dtype=mdt, **kw)
+    assert lp.dtype == torch.float32 and gw.dtype == wdt and gh.dtype == hidden.dtype
+    # the plain path's logits: the same low-precision product, then float32 (bias added in float32)
+
+    def autocast_plain(h, w, bb, tok, **k):
+        return token_logprobs((h.to(mdt) @ w.to(mdt).T).float() + bb, tok, **k)
+
+    (lpa, enta), ga = _grads(autocast_plain, hidden, weight, b, tokens, **kw)
+    torch.testing.assert_close(lp, lpa, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, enta, atol=1e-5, rtol=1e-5)
+    for x, y in zip((gh, gw, gb), ga):
+        torch.testing.assert_close(x.float(), y.float(), atol=2**-7 * y.abs().max().item(), rtol=2**-6)
+    # and close to the float32 computation (the low precision's rounding of the logits)
+    (lp32, _), _ = _grads(plain, hidden.float(), weight.float(), b, tokens, **kw)
+    logits = (hidden.float() @ weight.float().T + b).abs().max().item()
+    assert (lp - lp32).abs().max().item() <= 8 * 2**-8 * logits / 0.9
+
+
+def test_lean_matmul_dtype_float32_is_the_default():
+    hidden, weight, b, tokens = lm_case(8, (2, 5), 8, 32, dtype=torch.float32)
+    kw = dict(with_entropy=True, chunk_tokens=3)
+    a, ga = _grads(lean, hidden, weight, b, tokens, **kw)
+    c, gc = _grads(lean, hidden, weight, b, tokens, matmul_dtype=torch.float32, **kw)
+    for x, y in zip((*a, *ga), (*c, *gc)):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        lean_token_logprobs(hidden, weight, tokens, matmul_dtype=torch.int8)

@@ -188,7 +188,8 @@ def response_logprobs(
     :func:`rollkit.logprobs.lean_token_logprobs` with the LM head's weight, ``chunk_tokens``
     positions at a time (the backward recomputes each chunk's logits), so the ``[B, T, V]``
     logits never exist: peak extra memory ``O(chunk_tokens x V)``. Same values and gradients up
-    to float rounding (the LM head is applied in float32, also under autocast); no prompt
+    to float rounding (the LM head's matmuls run in the autocast dtype, or in the hidden
+    states' own low precision, like the plain path's; the softmax in float32); no prompt
     sharing on this path.
     """
     if temperature <= 0:
@@ -232,8 +233,16 @@ def response_logprobs(
         with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             hidden, head = response_hidden(model, input_ids, attention_mask, T)
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy}
+        low = (torch.bfloat16, torch.float16)
+        mdt = autocast if autocast is not None else (hidden.dtype if hidden.dtype in low else None)
         out = lean_token_logprobs(
-            hidden, head.weight, tokens, bias=head.bias, chunk_tokens=chunk_tokens, **sampling
+            hidden,
+            head.weight,
+            tokens,
+            bias=head.bias,
+            chunk_tokens=chunk_tokens,
+            matmul_dtype=mdt,
+            **sampling,
         )
         return _zero_outside(out, mask)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
