@@ -44,7 +44,7 @@ from trainers.engines.vllm_server import (
     wait_healthy,
 )
 
-__all__ = ["ServerRolloutEngine"]
+__all__ = ["ServerRolloutEngine", "reload_weights_on", "weights_to_send"]
 
 _GENERATE = "/inference/v1/generate"
 _PROBE = "Hello, 12+34=46."
@@ -99,6 +99,48 @@ def _stop_local(servers: list[LocalServer]) -> None:
 def _continuation_seed(req: Request) -> int | None:
     s = req.params.seed
     return None if s is None else (s + 1_000_003 * len(req.token_ids)) % (2**62)
+
+
+def weights_to_send(
+    named_tensors: Iterable[tuple[str, Tensor]],
+    shapes: dict[str, tuple[int, ...]] | None,
+    tied: bool,
+    dtype: str,
+) -> dict[str, Tensor]:
+    """The tensors of an update, checked against the checkpoint's names and ``shapes`` (when
+    known) before anything is sent, detached, cast to ``dtype`` and moved to CPU; a tied
+    ``lm_head.weight`` is dropped (it is the embedding)."""
+    cast = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    out: dict[str, Tensor] = {}
+    for name, t in named_tensors:
+        if name == "lm_head.weight" and tied:
+            continue
+        if shapes is not None:
+            if name not in shapes:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}"
+                )
+        out[name] = t.detach().to(device="cpu", dtype=cast).contiguous()
+    if shapes is not None and (missing := sorted(set(shapes) - set(out))):
+        raise KeyError(f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    return out
+
+
+def reload_weights_on(client: ServerClient, weights_dir: Path, version: int, timeout: float) -> None:
+    """One server reloads the safetensors file in ``weights_dir`` in place (rollkit's worker
+    extension, else vLLM's ``reload_weights``), drops its prefix cache, takes the version."""
+    body = {"method": "rollkit_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+    try:
+        client.post("/collective_rpc", body, timeout=timeout)
+    except ServerError as e:
+        if "rollkit_reload_weights" not in str(e):
+            raise
+        body["method"] = "reload_weights"  # a server started without rollkit's worker extension
+        client.post("/collective_rpc", body, timeout=timeout)
+    client.post("/reset_prefix_cache")
+    client.post("/update_weight_version", {"new_version": str(int(version))})
 
 
 class ServerRolloutEngine:
@@ -429,7 +471,7 @@ class ServerRolloutEngine:
             wait_healthy([new], deadline)
             client = ServerClient(new.url, timeout_s=self.timeout_s)
             if self._weights_file is not None:
-                self._load_on(client, self.policy_version)
+                reload_weights_on(client, self.weights_dir, self.policy_version, self._reload_timeout)
         except Exception:
             new.stop()
             return
@@ -498,39 +540,6 @@ class ServerRolloutEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def _collect(self, named_tensors: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
-        out: dict[str, Tensor] = {}
-        for name, t in named_tensors:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if self._shapes is not None:
-                if name not in self._shapes:
-                    raise KeyError(f"update_weights: unknown parameter {name!r}")
-                if tuple(t.shape) != self._shapes[name]:
-                    raise ValueError(
-                        f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(self._shapes[name])}"
-                    )
-            out[name] = t.detach().to(device="cpu", dtype=dtype).contiguous()
-        if self._shapes is not None and (missing := sorted(set(self._shapes) - set(out))):
-            raise KeyError(
-                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
-            )
-        return out
-
-    def _load_on(self, client: ServerClient, version: int) -> None:
-        """One server reloads the weights file in place, drops its prefix cache, takes the version."""
-        body = {"method": "rollkit_reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
-        try:
-            client.post("/collective_rpc", body, timeout=max(self.request_timeout_s, 60.0))
-        except ServerError as e:
-            if "rollkit_reload_weights" not in str(e):
-                raise
-            body["method"] = "reload_weights"  # a server started without rollkit's worker extension
-            client.post("/collective_rpc", body, timeout=max(self.request_timeout_s, 60.0))
-        client.post("/reset_prefix_cache")
-        client.post("/update_weight_version", {"new_version": str(int(version))})
-
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Send new weights to every live server without restarting it; set ``policy_version``.
 
@@ -545,7 +554,7 @@ class ServerRolloutEngine:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
-        weights = self._collect(named_tensors)
+        weights = weights_to_send(named_tensors, self._shapes, self.tie_word_embeddings, self.dtype)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.weights_dir / "model.safetensors.tmp"
         save_file(weights, str(tmp))
@@ -554,7 +563,7 @@ class ServerRolloutEngine:
         failures = []
         for i in sorted(self._live):
             try:
-                self._load_on(self.clients[i], version)
+                reload_weights_on(self.clients[i], self.weights_dir, version, self._reload_timeout)
             except ServerError as e:
                 failures.append(str(e))
                 self._drop(i)
@@ -565,6 +574,10 @@ class ServerRolloutEngine:
         self.policy_version = int(version)
         self._metrics.weight_updates += 1
         self._metrics.weight_update_s += time.perf_counter() - t0
+
+    @property
+    def _reload_timeout(self) -> float:
+        return max(self.request_timeout_s, 60.0)
 
     # ------------------------------------------------------------------ health, memory, shutdown
 

@@ -1,0 +1,183 @@
+"""Agents over HTTP: the OpenAI-compatible endpoint, token-exact recording, and training an
+agent written with the plain ``openai`` package through real ``vllm serve`` processes.
+
+The agent is a calculator-tool user: it asks the policy a multiplication (``"Q 3*7"``); a reply
+``"C 3*7"`` calls the calculator, whose result goes back as a tool message (``"R 21"``); a
+reply ``"A 21"`` answers (reward 1 if right). The fast tests run the endpoint over the
+transformers engine; the training test (slow) over one vLLM server on CPU.
+"""
+
+import copy
+import os
+import random
+import re
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest.importorskip("transformers")
+pytest.importorskip("openai")
+
+import openai
+import torch
+
+from rollkit.trajectory import build_trajectory
+from trainers.config import AgenticConfig, load_config
+from trainers.engines import Generation, HFRolloutEngine, SamplingParams
+from trainers.engines.build import make_train_engine
+from trainers.envs.calculator import format_number, safe_eval
+from trainers.envs.http_agent import AgentEndpoint, ChatDriftError, ChatRecorder, collect_agent_episodes
+from trainers.models import char_tokenizer, default_model_path, tiny_qwen2
+
+MODEL_KW = {"hidden_size": 64, "heads": 2, "kv_heads": 1}
+RL_STEPS = 3
+
+
+def calculator_agent(base_url, task, *, max_calls=3):
+    """The user's agent: plain ``openai`` client, a calculator tool, reward 1 for the right answer."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+    messages = [{"role": "user", "content": f"Q {task[0]}*{task[1]}"}]
+    for _ in range(max_calls):
+        reply = client.chat.completions.create(model="rollkit", messages=messages, max_tokens=8)
+        text = reply.choices[0].message.content
+        messages.append({"role": "assistant", "content": text})
+        if m := re.fullmatch(r"\s*A\s*(-?\d+)\s*", text):
+            return float(int(m.group(1)) == task[0] * task[1])
+        if m := re.fullmatch(r"\s*C\s*([\d*+\- ]+)\s*", text):
+            try:
+                result = format_number(safe_eval(m.group(1)))
+            except ValueError:
+                result = "error"
+            messages.append({"role": "tool", "tool_call_id": "calc", "content": f"R {result}"})
+            continue
+        return 0.0
+    return 0.0
+
+
+def talkative_agent(base_url, task):
+    """Three calls whatever the answers (a tool message after each): multi-turn episodes even
+    with a random policy."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+    messages = [{"role": "user", "content": f"Q {task[0]}*{task[1]}"}]
+    for k in range(3):
+        text = (
+            client.chat.completions.create(model="rollkit", messages=messages, max_tokens=6)
+            .choices[0]
+            .message.content
+        )
+        messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": f"R {k}"}]
+    return 0.5
+
+
+def whole(tok, msgs):
+    """The conversation rendered whole by the template and tokenised at once."""
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+def test_recorder_extends_prompts_token_exact_with_a_chat_template():
+    """Turn k+1's prompt ids extend turn k's prompt + sampled ids (SmolLM2's chat template)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    rec = ChatRecorder(tok)
+    assert rec.chat_template
+    msgs = [{"role": "user", "content": "What is 3*7?"}]
+    new, p0 = rec.prompt(msgs)
+    assert p0 == whole(tok, msgs)
+    ans = [*tok("C 3*7", add_special_tokens=False).input_ids, tok.convert_tokens_to_ids("<|im_end|>")]
+    rec.record(msgs, new, Generation(0, p0, ans, [0.0] * len(ans), "stop"))
+    msgs = [*msgs, {"role": "assistant", "content": "C 3*7"}, {"role": "user", "content": "R 21"}]
+    new1, p1 = rec.prompt(msgs)
+    assert p1[: len(p0) + len(ans)] == p0 + ans and p1 == p0 + ans + new1
+    # the same conversation rendered whole gives the same ids here (no drift for this template)
+    assert p1 == whole(tok, msgs)
+    with pytest.raises(ChatDriftError, match="does not extend"):
+        rec.prompt([{"role": "user", "content": "What is 3*8?"}, *msgs[1:]])
+
+
+def test_endpoint_serves_an_openai_client_and_records_trajectories(tok):
+    model = tiny_qwen2(tok, seed=0, **MODEL_KW)
+    engine = HFRolloutEngine(model, tok)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+    with AgentEndpoint(engine, tok, params=params, max_context=96) as ep:
+        client = openai.OpenAI(base_url=ep.base_url("nope"), api_key="x", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["rollkit"]
+        with pytest.raises(openai.NotFoundError, match="unknown session"):
+            client.chat.completions.create(model="rollkit", messages=[{"role": "user", "content": "hi"}])
+        tasks = [(3, 7), (4, 5)]
+        assert len(collect_agent_episodes(ep, calculator_agent, tasks, group_size=2).episodes) == 4
+        batch = collect_agent_episodes(ep, talkative_agent, tasks, group_size=2)
+    assert batch.metrics["agent/errors"] == 0 and len(batch.episodes) == 4
+    assert all(len(e.turns) == 3 and e.turns[-1].reward == 0.5 for e in batch.episodes)
+    assert batch.group_ids == [0, 0, 1, 1]
+    for e in batch.episodes:
+        traj = build_trajectory(e.turns)
+        ids = traj.input_ids.tolist()
+        # the trajectory is the last prompt the engine saw plus the last answer, token for token
+        for k, t in enumerate(e.turns):
+            obs_start, start, end = traj.bounds[k].tolist()
+            assert ids[obs_start:start] == list(t.obs_ids) and ids[start:end] == list(t.action_ids)
+            assert not traj.response_mask[obs_start:start].any()  # the agent's / tool's tokens are masked
+        assert int(traj.response_mask.sum()) == sum(len(t.action_ids) for t in e.turns)
+    tb = batch.to_batch(max_context=96, pad_token_id=tok.pad_token_id)
+    assert tb.response_mask.shape[0] == 4
+
+
+@pytest.mark.slow
+def test_agent_trains_through_vllm_servers(tok, tmp_path):
+    """A few RL steps of the openai-client agent through a real vLLM server (success before/after)."""
+    pytest.importorskip("vllm")
+    from trainers.engines.server_rollout import ServerRolloutEngine
+    from trainers.loops import AgenticTrainer
+    from trainers.models import save_model
+
+    cfg = load_config(
+        [
+            "--model", "tiny", "model.tiny_heads=2", "model.tiny_kv_heads=1", "train.lr=5e-4",
+            "rollout.groups_per_step=4", "rollout.group_size=4", "rollout.temperature=1.0",
+            "rollout.max_tokens=8", "env.max_context=96", f"logging.dir={tmp_path}",
+        ],
+        base=AgenticConfig(),
+    )  # fmt: skip
+    model = tiny_qwen2(tok, seed=0, **MODEL_KW)
+    train = make_train_engine(cfg, model, device="cpu")
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(2, 10) for b in range(2, 10)]
+    # no warm-up here (the tiny model needs about 150 supervised steps, minutes on 2 cores, to use
+    # the tool: recipes/agent_http.py does it); this test checks the plumbing of a training run
+    path = save_model(copy.deepcopy(model), tok, tmp_path / "model")
+    with ServerRolloutEngine.launch(
+        path, num_servers=1, run_dir=tmp_path / "srv", tokenizer=tok, seeded=False
+    ) as eng:
+        eng.update_weights(train.export_weights(), version=0)
+        params = SamplingParams(temperature=1.0, max_tokens=8)
+        with AgentEndpoint(eng, tok, params=params, max_context=96) as ep:
+            tr = AgenticTrainer(cfg, rollout_engine=eng, train_engine=train, tokenizer=tok)
+            tr.collect = lambda: collect_agent_episodes(
+                ep, calculator_agent, rng.sample(pairs, 4), group_size=4
+            )
+            greedy = SamplingParams(temperature=0.0, max_tokens=8)
+
+            def success():
+                return collect_agent_episodes(ep, calculator_agent, pairs[::3], params=greedy).metrics[
+                    "agent/success_rate"
+                ]
+
+            before = success()
+            hist = [tr.step() for _ in range(RL_STEPS)]
+            after = success()
+            tr.close()
+        print(
+            f"greedy success {before:.3f} -> {after:.3f}; train success",
+            [round(h["agent/success_rate"], 2) for h in hist],
+        )
+        assert all(torch.isfinite(torch.tensor(h["loss/policy"])) for h in hist if "loss/policy" in h)
+        assert eng.policy_version == RL_STEPS
+        assert hist[-1]["agent/episodes"] == 16 and 0 <= after <= 1
