@@ -221,15 +221,19 @@ def test_loops_run_on_servers(engine, tmp_path, mode):
 
 def test_killed_server_is_dropped_and_its_requests_continue(engine, prompts):
     engine.restart = False  # a replacement would take a minute of this machine's two cores
-    params = SamplingParams(max_tokens=150, ignore_eos=True)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
     engine.add([Request(f"k{i}", prompts[i % 3], params) for i in range(4)])
-    victim = engine._proc[1]
-    time.sleep(0.3)
-    os.killpg(victim.process.pid, signal.SIGKILL)
+    on_victim = [j.req for j in engine._jobs.values() if j.server == 1]
+    deadline = time.monotonic() + 30
+    while not all(r.token_ids for r in on_victim) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.clients[1].post("/pause?mode=keep")  # its requests stay half-done until it is killed
+    assert all(0 < len(r.token_ids) < 200 for r in on_victim)
+    os.killpg(engine._proc[1].process.pid, signal.SIGKILL)
     done, deadline = [], time.monotonic() + 120
     while engine.num_running and time.monotonic() < deadline:
         done += engine.step()
     assert sorted(r.request_id for r in done) == ["k0", "k1", "k2", "k3"]  # nothing lost
-    assert all(len(r.token_ids) == 150 and r.finish_reason == "length" for r in done)
+    assert all(len(r.token_ids) == 200 and r.finish_reason == "length" for r in done)
     m = engine.metrics()
     assert m["server/dropped"] == 1 and m["server/live"] == 1 and m["server/rerouted"] >= 1, m
