@@ -39,6 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from trainers.config import AgenticConfig, load_config, server_addresses
+from trainers.deps import require
 from trainers.engines import Generation, SamplingParams
 from trainers.engines.build import make_train_engine
 from trainers.engines.server_rollout import ServerRolloutEngine
@@ -54,8 +55,7 @@ EVAL = PAIRS[::3]
 
 def calculator_agent(base_url: str, task: tuple[int, int], *, max_calls: int = 3) -> float:
     """The user's agent: an ``openai`` client, a calculator tool, reward 1 for the right answer."""
-    import openai
-
+    openai = require("openai")
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
     messages = [{"role": "user", "content": f"Q {task[0]}*{task[1]}"}]
     for _ in range(max_calls):

