@@ -4,7 +4,8 @@
     python -m benchmarks.sim.calibrate --skip vllm      # without vLLM (about a minute)
 
 Decode: batches of ``B`` distinct random prompts of ``P`` tokens generate ``L`` tokens with
-``ignore_eos`` (one ``generate`` call each, after a warm-up call); with :math:`L = 1` the call is
+``ignore_eos`` after a warm-up run (vLLM: through the request-level view the trainers use, add
+then ``step()`` until done; transformers: one batch ``generate``, the recipe's path); with :math:`L = 1` the call is
 a prefill, fitted as :math:`p_0 + p_1 BP`; the others fit :math:`a, b, c` of
 :math:`t - \\text{prefill} = La + bBL + c(BPL + BL(L-1)/2)` by least squares (the closed form of
 costs.DecodeCost). Train: forward + backward of a token-mean log-prob loss and an AdamW step over
@@ -33,12 +34,17 @@ import torch
 from trainers.config import load_config
 from trainers.engines.base import SamplingParams
 from trainers.engines.build import build_model, make_rollout_engine
+from trainers.engines.requests import Request, as_request_engine
 
-DECODE_GRID = [(1, 1), (16, 1), (1, 64), (4, 64), (16, 64), (16, 16), (32, 12), (4, 256)]
+#: (batch, new tokens) per engine; L = 1 is a prefill
+DECODE_GRID = {
+    "hf": [(1, 1), (32, 1), (1, 12), (8, 12), (32, 12)],
+    "vllm": [(1, 1), (16, 1), (1, 64), (4, 64), (16, 64), (16, 16), (4, 256)],
+}
 PROMPT = 48
 
 
-def _time(fn, repeats: int = 2) -> float:
+def _time(fn, repeats: int = 1) -> float:
     fn()  # warm-up
     out = []
     for _ in range(repeats):
@@ -48,16 +54,30 @@ def _time(fn, repeats: int = 2) -> float:
     return statistics.median(out)
 
 
+def _drive(view, prompts, p: SamplingParams) -> None:
+    """The trainers' request-level path: add every request, step until all finished."""
+    _drive.calls = getattr(_drive, "calls", 0) + 1
+    view.add([Request(f"c{_drive.calls}-{i}", ids, p) for i, ids in enumerate(prompts)])
+    while view.num_running:
+        view.step()
+
+
 def decode(engine_name: str, model, tok) -> dict[str, float]:
     cfg = load_config([f"--rollout={engine_name}", "rollout.dtype=float32", "rollout.max_model_len=640"])
     eng = make_rollout_engine(cfg, copy.deepcopy(model), tok, device="cpu")
+    view = as_request_engine(eng)
     g = torch.Generator().manual_seed(0)
     rows = []
     try:
-        for B, L in DECODE_GRID:
+        for B, L in DECODE_GRID[engine_name]:
             prompts = [torch.randint(100, 20000, (PROMPT,), generator=g).tolist() for _ in range(B)]
             p = SamplingParams(n=1, max_tokens=L, temperature=1.0, ignore_eos=True, seed=0)
-            rows.append((B, L, _time(lambda prompts=prompts, p=p: eng.generate(prompts, p))))
+            run = (
+                (lambda prompts=prompts, p=p: eng.generate(prompts, p))
+                if engine_name == "hf"
+                else (lambda prompts=prompts, p=p: _drive(view, prompts, p))
+            )
+            rows.append((B, L, _time(run)))
             print(f"  {engine_name}: B={B:<3} L={L:<4} {rows[-1][2]:.3f} s", flush=True)
         weights = list(model.named_parameters())
         sync = _time(lambda: eng.update_weights(((k, v.detach()) for k, v in weights), version=1), 1)
@@ -83,7 +103,7 @@ def train(model) -> dict[str, float]:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for samples, T in [(8, 64), (16, 64), (32, 60), (16, 160)]:
+    for samples, T in [(8, 48), (16, 48), (8, 160)]:
         ids = torch.randint(100, 20000, (samples, T), generator=g)
 
         def step(ids: torch.Tensor = ids) -> None:
@@ -115,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     torch.set_num_threads(args.threads)
     model, tok = build_model(load_config(["model.dtype=float32"]))
     out: dict[str, dict[str, float]] = {}
-    for name in ("hf", "vllm"):
+    for name in ("vllm", "hf"):
         if name not in skip:
             out[name] = decode(name, model, tok)
     if "train" not in skip:

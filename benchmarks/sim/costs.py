@@ -39,6 +39,7 @@ __all__ = [
     "DecodeCost",
     "Latency",
     "MODEL_SHAPES",
+    "PAPER_MFU",
     "TrainCost",
     "cpu_smollm2",
     "gpu_model",
@@ -155,12 +156,17 @@ class CostModel:
 
 # --------------------------------------------------------------------------- this machine
 
-#: Measured on a 2-core AMD EPYC (KVM, no AMX), float32, torch threads 2, SmolLM2-135M-Instruct:
-#: ``python -m benchmarks.sim.calibrate`` (docs/simulator.md has its output).
+#: This machine (2-core AMD EPYC, KVM, no AMX; float32; torch threads 2), SmolLM2-135M-Instruct.
+#: vllm: ``a`` = the W1 sync run's median rollout (23.82 s) over its 512 engine iterations (one
+#: ``VLLMRequestEngine.step()`` each, batch <= 16; ``b``, ``c`` unresolved, 0). hf: the first,
+#: least-loaded ``benchmarks.sim.calibrate`` points (batch 1 and 16 prefill, batch 1 decode).
+#: train: per padded token, least squares over the W1 sync steps minus their rollout
+#: (``benchmarks.sim.validate``; docs/simulator.md, with why the micro-benchmarks could not be
+#: used on the loaded machine).
 _CPU = {
-    "vllm": DecodeCost(a=0.021, b=0.0031, c=2.6e-6, p0=0.010, p1=0.00036, max_seqs=256),
-    "hf": DecodeCost(a=0.030, b=0.0030, c=4.0e-6, p0=0.020, p1=0.00045, max_seqs=1 << 20),
-    "train": TrainCost(t0=0.30, per_token=0.0042, sync_s=0.35),
+    "vllm": DecodeCost(a=0.0465, b=0.0, c=0.0, p0=0.0, p1=0.0, max_seqs=256),
+    "hf": DecodeCost(a=0.067, b=0.0, c=0.0, p0=0.068, p1=0.00132, max_seqs=1 << 20),
+    "train": TrainCost(t0=0.0, per_token=0.00975, sync_s=0.0),
 }
 
 
@@ -174,7 +180,7 @@ def cpu_smollm2(engine: str = "vllm") -> CostModel:
         train=_CPU["train"],
         reward=Latency("const", 0.0005),
         name=f"cpu-smollm2-{engine}",
-        source="measured: python -m benchmarks.sim.calibrate (2-core AMD EPYC, float32)",
+        source="fitted on this machine (2-core AMD EPYC, float32): costs._CPU, docs/simulator.md",
     )
 
 
@@ -191,6 +197,12 @@ MODEL_SHAPES = {
 #: H800 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense bfloat16, 80 GB (NVIDIA's H100/H800 data sheet)
 H800 = {"bw": 3.35e12, "peak": 989e12, "mem": 80e9}
 
+#: the training efficiency at which a synchronous step of RollPacker's 14B setting spends 23% of
+#: its time training (RollPacker Table 1, math: 72 / 5 / 23% rollout / reward / train):
+#: ``benchmarks.sim.papers.calibrate_mfu()``. Far below a pre-training MFU: an RL trainer's
+#: "train" phase also recomputes log-probs, reshards and reloads weights, and pads.
+PAPER_MFU = 0.0227
+
 
 def gpu_model(
     size: str = "8B",
@@ -199,7 +211,7 @@ def gpu_model(
     train_gpus: int = 8,
     bw_eff: float = 0.6,
     flop_eff: float = 0.4,
-    mfu: float = 0.3,
+    mfu: float = PAPER_MFU,
     sync_bw: float = 25e9,
     reward: Latency | None = None,
 ) -> CostModel:
@@ -208,7 +220,8 @@ def gpu_model(
 
     Assumptions (none of them measured here): bfloat16 weights and KV; an engine is ``tp`` GPUs
     (default 1 up to 14B, 2 for 32B); ``bw_eff`` of the HBM bandwidth and ``flop_eff`` of the
-    peak reached in decoding, ``mfu`` in training (30%: typical of Megatron / FSDP RL trainers);
+    peak reached in decoding, ``mfu`` of the peak in training (default :data:`PAPER_MFU`, fitted
+    to the papers' stage shares);
     KV cache: 90% of the engine's memory minus the weights; per iteration 3 ms of scheduling
     overhead; weight sync at ``sync_bw`` bytes/s plus 2 s; train step overhead 5 s; rewards
     (math rule-based) log-normal with median 0.5 s, 64 workers unless ``reward`` is given.

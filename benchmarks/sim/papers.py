@@ -26,7 +26,9 @@ from benchmarks.sim.costs import Latency, gpu_model
 from benchmarks.sim.lengths import Lengths
 from benchmarks.sim.run import Setting, run_queue, run_tail
 
-__all__ = ["ROLLPACKER", "ROLL_FLASH", "best_async", "main"]
+__all__ = ["ROLLPACKER", "ROLL_FLASH", "best_async", "calibrate_mfu", "main"]
+
+MFU = [0.3]  # set by main() from calibrate_mfu()
 
 #: our reading of ROLL Flash's RLVR setting: 64 prompts x 8 responses per step (512), Qwen3-8B
 #: "Think"-style long tail (median 1.5k tokens, max/median > 10 at the 16k cap)
@@ -53,46 +55,75 @@ ROLLPACKER = {
 
 SPLITS = (0.5, 0.625, 0.75, 0.875)
 
+#: RollPacker Table 1 (math): a synchronous step is 72% rollout, 5% reward, 23% training
+TRAIN_SHARE = 0.23
 
-def _setting(size: str, gpus: int, *, prompts: int, n: int, lengths: str, steps: int, rollout_gpus=None):
-    cost = gpu_model(size, train_gpus=gpus if rollout_gpus is None else gpus - rollout_gpus)
+
+def calibrate_mfu(steps: int = 6) -> float:
+    """The training efficiency (``gpu_model``'s ``mfu``) at which the synchronous 14B RollPacker
+    setting spends :data:`TRAIN_SHARE` of its step training (rollout and reward the rest): the
+    papers' calibration of the train cost (docs/simulator.md)."""
+    w = {k: ROLLPACKER[k] for k in ("prompts", "n", "lengths")}
+    s = _setting("14B", 64, steps=steps, mfu=0.3, **w)
+    r = run_queue(s, ratio=0, replicate=False)
+    wait = sum(x.wait for x in r.measured) / len(r.measured)
+    train = sum(x.train for x in r.measured) / len(r.measured)
+    target = TRAIN_SHARE / (1 - TRAIN_SHARE) * wait
+    return 0.3 * (train - s.cost.train.t0) / (target - s.cost.train.t0)
+
+
+def _setting(
+    size: str, gpus: int, *, prompts: int, n: int, lengths: str, steps: int, rollout_gpus=None, mfu=None
+):
+    mfu = MFU[0] if mfu is None else mfu
+    cost = gpu_model(size, train_gpus=gpus if rollout_gpus is None else gpus - rollout_gpus, mfu=mfu)
     tp = int(cost.name.rsplit("tp", 1)[1])
     engines = max(1, (gpus if rollout_gpus is None else rollout_gpus) // tp)
     return Setting(prompts, n, Lengths.parse(lengths), cost, engines=engines, steps=steps)
 
 
-def best_async(size: str, gpus: int, ratio: float, *, steps: int, **w) -> tuple[float, float]:
-    """``(s/step, rollout share of the GPUs)`` of the best split of ``gpus`` between rollout and
-    training for async at ``ratio``."""
+def best_async(size: str, gpus: int, ratio: float, *, steps: int, **w):
+    """The :class:`~benchmarks.sim.run.Result` of the best split of ``gpus`` between rollout and
+    training for async at ``ratio`` (best: most trained tokens per second)."""
     tp = 1 if size in ("7B", "8B", "14B") else 2
-    best = (float("inf"), 0.0)
+    best = None
     for f in SPLITS:
         r = max(tp, int(gpus * f) // tp * tp)
         if r >= gpus:
             continue
         res = run_queue(_setting(size, gpus, steps=steps, rollout_gpus=r, **w), ratio=ratio)
-        best = min(best, (res.s_per_step, r / gpus))
+        if best is None or res.tokens_per_s > best.tokens_per_s:
+            best = res
     return best
 
 
 def roll_flash_rlvr(steps: int) -> None:
     w = {k: ROLL_FLASH[k] for k in ("prompts", "n", "lengths")}
     print("\nROLL Flash, RLVR (Qwen3-8B; " + w["lengths"] + f"; {w['prompts']} x {w['n']} per step)")
-    head = "".join(f"{'a=' + str(a):>9}" for a in ROLL_FLASH["ratios"])
-    print(f"{'GPUs':>5}{'sync s/step':>13}{head}{'best':>7}{'paper':>8}")
+    print("speed-up over sync in trained tokens/s (in s/step), async on the best rollout/train split")
+    head = "".join(f"{'a=' + str(a):>16}" for a in ROLL_FLASH["ratios"])
+    print(f"{'GPUs':>5}{'sync s/step':>13}{head}{'best':>6}{'paper':>8}")
     for g in ROLL_FLASH["gpus"]:
-        sync = run_queue(_setting("8B", g, steps=steps, **w), ratio=0, replicate=False).s_per_step
-        ups = {a: sync / best_async("8B", g, a, steps=steps, **w)[0] for a in ROLL_FLASH["ratios"]}
-        best = max(ups, key=ups.get)
+        sync = run_queue(_setting("8B", g, steps=steps, **w), ratio=0, replicate=False)
+        res = {a: best_async("8B", g, a, steps=steps, **w) for a in ROLL_FLASH["ratios"]}
+        tok = {a: r.tokens_per_s / sync.tokens_per_s for a, r in res.items()}
+        best = max(tok, key=tok.get)
         paper = ROLL_FLASH["paper_rlvr"].get(g)
-        cells = "".join(f"{ups[a]:>8.2f}x" for a in ROLL_FLASH["ratios"])
-        print(f"{g:>5}{sync:>13.1f}{cells}{'a=' + str(best):>7}{f'{paper:.2f}x' if paper else '-':>8}")
+        cells = "".join(
+            f"{f'{tok[a]:.2f}x ({sync.s_per_step / res[a].s_per_step:.2f}x)':>16}"
+            for a in ROLL_FLASH["ratios"]
+        )
+        print(
+            f"{g:>5}{sync.s_per_step:>13.1f}{cells}{'a=' + str(best):>6}{f'{paper:.2f}x' if paper else '-':>8}"
+        )
 
 
 def roll_flash_table1(steps: int) -> None:
     """Best async ratio per model size, response length (cap) and rollout size (ROLL Flash Table 1)."""
-    print("\nROLL Flash Table 1 analogue: best async ratio (speed-up over sync) on 64 GPUs")
-    print(f"{'model':>6}{'cap':>7}{'responses':>11}{'best ratio':>12}{'speed-up':>10}{'paper':>8}")
+    print("\nROLL Flash Table 1 analogue: best async ratio on 64 GPUs (by trained tokens/s)")
+    print(
+        f"{'model':>6}{'cap':>7}{'responses':>11}{'best ratio':>12}{'tokens/s x':>12}{'ratio 2':>9}{'paper':>7}"
+    )
     for size in ("8B", "14B"):
         for cap in (8192, 16384):
             for prompts in (32, 64):
@@ -101,10 +132,15 @@ def roll_flash_table1(steps: int) -> None:
                     "n": 8,
                     "lengths": f"lognormal:median={cap // 10},sigma=1.0,cap={cap}",
                 }
-                sync = run_queue(_setting(size, 64, steps=steps, **w), ratio=0, replicate=False).s_per_step
-                ups = {a: sync / best_async(size, 64, a, steps=steps, **w)[0] for a in (1, 2, 4, 8)}
+                sync = run_queue(_setting(size, 64, steps=steps, **w), ratio=0, replicate=False)
+                ups = {
+                    a: best_async(size, 64, a, steps=steps, **w).tokens_per_s / sync.tokens_per_s
+                    for a in (1, 2, 4, 8)
+                }
                 best = max(ups, key=ups.get)
-                print(f"{size:>6}{cap:>7}{prompts * 8:>11}{best:>12}{ups[best]:>9.2f}x{'2':>8}")
+                print(
+                    f"{size:>6}{cap:>7}{prompts * 8:>11}{best:>12}{ups[best]:>11.2f}x{ups[2]:>8.2f}x{'2':>7}"
+                )
 
 
 def roll_flash_agentic(steps: int) -> None:
@@ -112,8 +148,8 @@ def roll_flash_agentic(steps: int) -> None:
     on 8 rollout + 8 train GPUs."""
     env = Latency("gauss", 10.0, 5.0)
     lengths = Lengths(200, 0.6, 2048)
-    colo = gpu_model("8B", train_gpus=16).with_(env=env)
-    split = gpu_model("8B", train_gpus=8).with_(env=env)
+    colo = gpu_model("8B", train_gpus=16, mfu=MFU[0]).with_(env=env)
+    split = gpu_model("8B", train_gpus=8, mfu=MFU[0]).with_(env=env)
     s16 = AgenticSetting(batch=128, turns=8, lengths=lengths, cost=colo, engines=16, steps=steps)
     s8 = AgenticSetting(batch=128, turns=8, lengths=lengths, cost=split, engines=8, steps=steps)
     sync = run_agentic(s16, "lockstep")
@@ -137,13 +173,16 @@ def rollpacker(steps: int) -> None:
     w = {k: ROLLPACKER[k] for k in ("prompts", "n", "lengths")}
     print("\nRollPacker (Qwen2.5; " + w["lengths"] + f"; {w['prompts']} x {w['n']} per step)")
     print(
-        f"{'model':>6}{'GPUs':>6}{'veRL-like s/step':>18}{'tail s/step':>13}{'speed-up':>10}{'paper e2e':>11}"
+        f"{'model':>6}{'GPUs':>6}{'veRL-like s/step':>18}{'tail s/step':>13}{'s/step x':>10}"
+        f"{'tokens/s x':>12}{'paper e2e':>11}"
     )
     for size, (g, paper) in ROLLPACKER["models"].items():
         sync = run_queue(_setting(size, g, steps=steps, **w), ratio=0, replicate=False)
         tail = run_tail(_setting(size, g, steps=steps, **w))
-        up = sync.s_per_step / tail.s_per_step
-        print(f"{size:>6}{g:>6}{sync.s_per_step:>18.1f}{tail.s_per_step:>13.1f}{up:>9.2f}x{paper:>10.2f}x")
+        up, tok = sync.s_per_step / tail.s_per_step, tail.tokens_per_s / sync.tokens_per_s
+        print(
+            f"{size:>6}{g:>6}{sync.s_per_step:>18.1f}{tail.s_per_step:>13.1f}{up:>9.2f}x{tok:>11.2f}x{paper:>10.2f}x"
+        )
     lo, hi = ROLLPACKER["tail_alone"]
     print(f"paper: tail batching alone {lo}-{hi}x; end to end (with its other optimisations) above")
 
@@ -168,6 +207,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps < 2:
         raise SystemExit(f"error: --steps: must be >= 2, got {args.steps}")
     t = time.perf_counter()
+    MFU[0] = calibrate_mfu()
+    print(
+        f"training efficiency calibrated to a {TRAIN_SHARE:.0%} train share of the sync 14B step: mfu {MFU[0]:.4f}"
+    )
     for p in only:
         PARTS[p](args.steps)
     print(f"\n(simulated in {time.perf_counter() - t:.1f} s wall time)")

@@ -7,7 +7,7 @@
 Sync and tail batching run colocated on all ``rollout + train`` GPUs (rollout, then training on
 every GPU); async runs rollout on ``--rollout-gpus`` and training on ``--train-gpus`` at every
 ratio of ``--ratios``. The costs are :func:`benchmarks.sim.costs.gpu_model` (H800 assumptions,
-docs/simulator.md); ``--lengths-file`` is a JSONL of past response lengths (``{"length": n}``
+training efficiency fitted to the papers' stage shares, ``--mfu`` to override; docs/simulator.md); ``--lengths-file`` is a JSONL of past response lengths (``{"length": n}``
 or a bare number per line). Tokens/s counts the trained response tokens, so a mode that trains
 shorter responses does not win by it.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.sim.costs import gpu_model
+from benchmarks.sim.costs import PAPER_MFU, gpu_model
 from benchmarks.sim.lengths import Lengths
 from benchmarks.sim.run import Result, Setting, run_queue, run_tail
 
@@ -49,8 +49,10 @@ def plan(args: argparse.Namespace) -> dict[str, Result]:
     )
     ratios = _ratios(args.ratios)
     total = args.rollout_gpus + args.train_gpus
-    colo = gpu_model(args.model_size, train_gpus=total, tp=args.tp)
-    split = gpu_model(args.model_size, train_gpus=args.train_gpus, tp=args.tp)
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu: must be in (0, 1], got {args.mfu}")
+    colo = gpu_model(args.model_size, train_gpus=total, tp=args.tp, mfu=args.mfu)
+    split = gpu_model(args.model_size, train_gpus=args.train_gpus, tp=args.tp, mfu=args.mfu)
     tp = int(colo.name.rsplit("tp", 1)[1])
     if args.rollout_gpus < tp:
         raise ValueError(
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Result]:
     ap.add_argument("--n", type=int, default=8, help="responses per prompt")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--ratios", default="1,2,4", help="async ratios to try")
+    ap.add_argument("--mfu", type=float, default=PAPER_MFU, help="training efficiency (fraction of peak)")
     ap.add_argument("--steps", type=int, default=8, help="simulated steps per mode (the first is not timed)")
     args = ap.parse_args(argv)
     try:
