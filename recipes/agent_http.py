@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", default="", help="comma-separated http://host:port of running servers")
     ap.add_argument("--num-servers", type=int, default=1, help="local servers to start (without --servers)")
-    ap.add_argument("--warmup-steps", type=int, default=150)
+    ap.add_argument("--warmup-steps", type=int, default=250)
     ap.add_argument("--warmup-lr", type=float, default=3e-3)
     ap.add_argument(
         "--run-dir", default="", help="servers' logs, model and weight files (default: a temp dir)"
@@ -155,13 +155,15 @@ def main(argv: list[str] | None = None) -> dict:
             ep, calculator_agent, rng.sample(PAIRS, r.groups_per_step), group_size=r.group_size
         )
 
-        def success() -> float:
-            return collect_agent_episodes(ep, calculator_agent, EVAL, params=greedy).metrics[
-                "agent/success_rate"
-            ]
+        def success(p: SamplingParams, n: int) -> float:
+            batch = collect_agent_episodes(ep, calculator_agent, EVAL, params=p, group_size=n)
+            return batch.metrics["agent/success_rate"]
 
-        before = success()
-        print(f"greedy success before RL: {before:.3f} ({len(EVAL)} tasks)", flush=True)
+        before, sampled_before = success(greedy, 1), success(params, 4)
+        print(
+            f"success before RL: greedy {before:.3f}, sampled {sampled_before:.3f} ({len(EVAL)} tasks)",
+            flush=True,
+        )
         times = []
         for k in range(cfg.train.steps):
             m = trainer.step()
@@ -171,13 +173,21 @@ def main(argv: list[str] | None = None) -> dict:
                 f"turns {m['agent/turns_mean']:.2f}, {m['time/step']:.1f} s",
                 flush=True,
             )
-        after = success()
+        after, sampled_after = success(greedy, 1), success(params, 4)
         trainer.close()
+        s_step = sum(times) / max(len(times), 1)
         print(
-            f"greedy success after RL: {after:.3f}; {sum(times) / max(len(times), 1):.1f} s/step", flush=True
+            f"success after RL: greedy {after:.3f}, sampled {sampled_after:.3f}; {s_step:.1f} s/step",
+            flush=True,
         )
         print(eng.metrics())
-    return {"before": before, "after": after, "s_per_step": sum(times) / max(len(times), 1)}
+    return {
+        "before": before,
+        "after": after,
+        "sampled_before": sampled_before,
+        "sampled_after": sampled_after,
+        "s_per_step": s_step,
+    }
 
 
 if __name__ == "__main__":
