@@ -11,11 +11,12 @@ agentic loop (StarPO advantages + PPO by default; ``algorithm.advantage=gigpo`` 
 
 With no arguments: the tiny Qwen2 (character tokenizer), a supervised warm-up on the expert's
 episodes (built token-exact by the same recorder) that leaves it partly able to use the tool,
-one local ``vllm serve`` process on CPU, then ``train.steps`` RL steps.
+one local ``vllm serve`` process on CPU, then ``train.steps`` (12) RL steps at ``train.lr=2e-4``
+(5e-4 lowered the success rate in 8 steps: 0.36 -> 0.18 greedy, measured).
 
     python recipes/agent_http.py
     python recipes/agent_http.py --servers http://127.0.0.1:8000   # servers already running
-    python recipes/agent_http.py --num-servers 2 --warmup-steps 150 train.steps=10
+    python recipes/agent_http.py --num-servers 2 algorithm.advantage=gigpo
 
 docs/server.md ("Agents over HTTP") has the measured run.
 """
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args, overrides = ap.parse_known_args(argv)
     base = [
-        "--model", "tiny", "model.tiny_heads=2", "model.tiny_kv_heads=1", "train.lr=5e-4",
-        "train.steps=8", "rollout.groups_per_step=6", "rollout.group_size=4", "rollout.temperature=1.0",
+        "--model", "tiny", "model.tiny_heads=2", "model.tiny_kv_heads=1", "train.lr=2e-4",
+        "train.steps=12", "rollout.groups_per_step=6", "rollout.group_size=4", "rollout.temperature=1.0",
         "rollout.max_tokens=8", "env.max_context=96", "logging.dir=runs/agent_http",
     ]  # fmt: skip
     cfg = load_config([*base, *overrides], base=AgenticConfig())
