@@ -350,7 +350,12 @@ class SimEngine:
 class SimRewards:
     """The reward pool's interface (``submit`` / ``poll`` / ``gather``) on the virtual clock:
     each sample is scored by the first free of ``workers`` workers in ``latency`` seconds; the
-    score is 1 with probability ``accuracy(prompt key)`` (default 0.5), deterministic per key."""
+    score is 1 with probability ``accuracy(prompt key)`` (default 0.5), deterministic per key.
+
+    Code rewards: ``timeout`` maps a problem (the prompt key) to its timeout in seconds, e.g.
+    the real :meth:`rollkit.scheduling.AdaptiveTimeout.timeout` (whose ``observe`` is then fed
+    every run) or ``lambda problem: 30.0``; a fraction ``doomed`` of the programs never halt and
+    run to the timeout (W2), and a run past its timeout scores 0."""
 
     def __init__(
         self,
@@ -360,8 +365,12 @@ class SimRewards:
         *,
         seed: int = 0,
         accuracy: Any = None,
+        timeout: Any = None,
+        doomed: float = 0.0,
     ) -> None:
         self.clock, self.latency, self.workers = clock, latency, workers
+        self.timeout, self.doomed = timeout, doomed
+        self.busy_s = 0.0  # worker-seconds spent scoring
         self.rng = random.Random(seed)
         self.seed = seed
         self.accuracy = accuracy or (lambda key: 0.5)
@@ -375,10 +384,22 @@ class SimRewards:
         while self.free and self.free[0] <= now:
             heapq.heappop(self.free)
         start = now if len(self.free) < self.workers else heapq.heappop(self.free)
-        done = start + self.latency.sample(self.rng)
-        heapq.heappush(self.free, done)
         p = self.accuracy(prompt.text)
-        score = 1.0 if random.Random(zlib.crc32(repr((self.seed, key)).encode())).random() < p else 0.0
+        u = random.Random(zlib.crc32(repr((self.seed, key)).encode())).random()
+        score = 1.0 if u < p else 0.0
+        run = self.latency.sample(self.rng)
+        if self.timeout is not None:  # code rewards: a run stops at its timeout
+            if u > 1.0 - self.doomed:  # a program that never halts (W2: about 5%)
+                run, score = math.inf, 0.0
+            limit = self.timeout(prompt.text)
+            if run > limit:
+                run, score = limit, 0.0
+            observe = getattr(self.timeout, "__self__", None)
+            if observe is not None and hasattr(observe, "observe"):
+                observe.observe(prompt.text, run, correct=score == 1.0)
+        self.busy_s += run
+        done = start + run
+        heapq.heappush(self.free, done)
         self.tie += 1
         heapq.heappush(self.pending, (done, self.tie, key, score))
 
