@@ -9,7 +9,7 @@ Results are printed, never asserted; compare the rows of one run only (docs/serv
 
     python benchmarks/bench_server.py                                   # the recipe's defaults
     python benchmarks/bench_server.py --model tiny model.tiny_heads=2 model.tiny_kv_heads=1 \\
-        data.digits=1 train.steps=4                                     # a small run
+        data.digits=1 data.eval_size=30 train.steps=6                   # a small run
 """
 
 from __future__ import annotations
