@@ -157,16 +157,15 @@ class CostModel:
 # --------------------------------------------------------------------------- this machine
 
 #: This machine (2-core AMD EPYC, KVM, no AMX; float32; torch threads 2), SmolLM2-135M-Instruct.
-#: vllm: ``a`` = the W1 sync run's median rollout (23.82 s) over its 512 engine iterations (one
-#: ``VLLMRequestEngine.step()`` each, batch <= 16; ``b``, ``c`` unresolved, 0). hf: the first,
-#: least-loaded ``benchmarks.sim.calibrate`` points (batch 1 and 16 prefill, batch 1 decode).
-#: train: per padded token, least squares over the W1 sync steps minus their rollout
-#: (``benchmarks.sim.validate``; docs/simulator.md, with why the micro-benchmarks could not be
-#: used on the loaded machine).
+#: vllm / hf decode and prefill: ``python -m benchmarks.sim.calibrate`` on the quiet machine
+#: (vLLM through the request-level view, one ``VLLMRequestEngine.step()`` per iteration; the
+#: transformers engine's batch ``generate``; fits within 12%; small negative ``c`` set to 0).
+#: train: per padded token, least squares over the W1 sync steps minus their simulated rollout
+#: (the training micro-benchmark was disturbed by other jobs). docs/simulator.md.
 _CPU = {
-    "vllm": DecodeCost(a=0.0465, b=0.0, c=0.0, p0=0.0, p1=0.0, max_seqs=256),
-    "hf": DecodeCost(a=0.067, b=0.0, c=0.0, p0=0.068, p1=0.00132, max_seqs=1 << 20),
-    "train": TrainCost(t0=0.0, per_token=0.00975, sync_s=0.0),
+    "vllm": DecodeCost(a=0.0377, b=0.00158, c=0.0, p0=0.059, p1=0.00115, max_seqs=256),
+    "hf": DecodeCost(a=0.0452, b=0.0, c=0.000144, p0=0.0869, p1=0.00139, max_seqs=1 << 20),
+    "train": TrainCost(t0=0.0, per_token=0.0101, sync_s=0.0),
 }
 
 

@@ -5,9 +5,10 @@
 Each job is simulated with :func:`benchmarks.sim.costs.cpu_smollm2` and the job's own settings
 (the same length draws: the simulator runs the trainers' own ``RequestMaker`` with the job's
 seed), then compared with the s/step measured by the command in :data:`JOBS` on a 2-core AMD
-EPYC without AMX, float32. The vLLM decode and train constants were fitted on the W1 sync run
-(so that row is a fit, not a prediction); the tail-batching steps of the same run and the
-recipe's job are predictions. The first step of every simulated run is a warm-up and not
+EPYC without AMX, float32. The decode constants come from ``benchmarks.sim.calibrate``; the
+train constant was fitted on the W1 sync steps (so that row's rollout is a prediction, its
+train time a fit); the tail-batching steps of the same run and the recipe's job are
+predictions. The first step of every simulated run is a warm-up and not
 compared (docs/simulator.md).
 """
 
