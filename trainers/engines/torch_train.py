@@ -154,6 +154,14 @@ def response_hidden(
     return out.last_hidden_state[:, L - T - 1 : L - 1], get_head()
 
 
+def _lean_matmul_dtype(autocast: torch.dtype | None, hidden_dtype: torch.dtype) -> torch.dtype | None:
+    """The lean path's matmul precision: the plain path's (the autocast dtype, else the hidden
+    states' own bf16 / fp16; ``None``, float32, otherwise)."""
+    if autocast is not None:
+        return autocast
+    return hidden_dtype if hidden_dtype in (torch.bfloat16, torch.float16) else None
+
+
 def response_logprobs(
     model: Any,
     input_ids: Tensor,  # [B, L]
@@ -233,17 +241,9 @@ def response_logprobs(
         with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             hidden, head = response_hidden(model, input_ids, attention_mask, T)
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy}
-        low = (torch.bfloat16, torch.float16)
-        mdt = autocast if autocast is not None else (hidden.dtype if hidden.dtype in low else None)
-        out = lean_token_logprobs(
-            hidden,
-            head.weight,
-            tokens,
-            bias=head.bias,
-            chunk_tokens=chunk_tokens,
-            matmul_dtype=mdt,
-            **sampling,
-        )
+        mdt = _lean_matmul_dtype(autocast, hidden.dtype)
+        out = lean_token_logprobs(hidden, head.weight, tokens, bias=head.bias, chunk_tokens=chunk_tokens,
+                                  matmul_dtype=mdt, **sampling)  # fmt: skip
         return _zero_outside(out, mask)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts)
