@@ -17,6 +17,7 @@ from typing import Any
 from trainers.config import Config
 from trainers.data import Prompt
 from trainers.engines.build import build_engines
+from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.learner import Learner, learner_for
 from trainers.ray import build_ray_roles
 from trainers.rewards import RewardPool, get_verifier
@@ -95,9 +96,17 @@ class Roles:
             out.update({f"judge/{k}": float(v) for k, v in counts().items()})
         return out
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The rollout engine's own counters, where it keeps any (the server engine's
+        ``server/*``: live, dropped and restarted servers, re-routed requests, errors, weight
+        updates); ``{}`` for the others."""
+        counts = getattr(self.rollout, "metrics", None)
+        return {k: float(v) for k, v in counts().items()} if callable(counts) else {}
+
     def close(self) -> None:
-        """Stop the reward workers and the Ray actors / placement groups started here (engines
-        passed in are the caller's), each whatever failed before. Idempotent."""
+        """Stop the reward workers, the Ray actors / placement groups and the inference servers
+        started here (engines passed in are the caller's), each whatever failed before.
+        Idempotent."""
         close_all([self.rewards.close, *[o.close for o in reversed(self.owned)]])
         self.owned.clear()
 
@@ -176,6 +185,8 @@ def build_roles(
             reference = ray_roles.reference if reference is None else reference
         else:
             rollout, train, tokenizer = build_engines(cfg, model=model, tokenizer=tokenizer)
+            if isinstance(rollout, ServerRolloutEngine):
+                owned.append(rollout)  # its servers stop with the roles, not when it is collected
     if tokenizer is None:
         raise ValueError("tokenizer: required when the engines are passed in")
     verifier = get_verifier(cfg.reward.verifier, **cfg.reward.verifier_options())

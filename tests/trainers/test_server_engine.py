@@ -216,7 +216,9 @@ def test_loops_run_on_servers(engine, tmp_path, mode):
         hist = [r for r in tr.fit()["history"] if "reward/mean" in r]
         assert len(hist) == 2
         assert tr.rollout.policy_version == 2
-        tr.rollout.shutdown()
+        # the engine's counters reach the step's metrics
+        assert hist[-1]["server/live"] == 2 and hist[-1]["server/errors"] == 0
+        assert hist[-1]["server/weight_updates"] >= 2
 
 
 def test_killed_server_is_dropped_and_its_requests_continue(engine, prompts):

@@ -224,6 +224,7 @@ class AsyncTrainer:
         generated = sch.counts["generated_tokens"] - tokens0
         metrics["throughput/rollout_tokens_per_s"] = generated / max(metrics["time/step"], 1e-9)
         metrics.update(self.roles.reward_metrics())
+        metrics.update(self.roles.rollout_metrics())
         return metrics
 
     def _batch_metrics(self, groups: list[tuple], batch: Any, stats: dict[str, Any]) -> dict[str, float]:

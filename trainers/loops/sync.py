@@ -138,6 +138,7 @@ class SyncTrainer:
         metrics.update(timer.metrics(t_start))
         metrics["throughput/rollout_tokens_per_s"] = sum(lengths) / max(timer.t["rollout"], 1e-9)
         metrics.update(self.roles.reward_metrics())
+        metrics.update(self.roles.rollout_metrics())
         return metrics
 
     def evaluate(self, prompts: list[Prompt] | None = None) -> dict[str, float]:
