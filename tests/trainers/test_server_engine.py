@@ -2,7 +2,8 @@
 
 Two servers are started once per module (through the config: ``rollout.engine=server``,
 ``rollout.num_servers=2``) and shared; every test that compares log-probs first sends the
-weights it compares against. The killed-server test runs last (it leaves one server). The
+weights it compares against. The killed-server test and the replacement test run last (they kill servers; the replacement
+test waits for a new one). The
 servers are stopped by the fixture's teardown (their process groups), also when a test fails.
 
 Tolerance: as in test_vllm_engine.py, vLLM's processed log-probs and the trainer's float32
@@ -239,3 +240,21 @@ def test_killed_server_is_dropped_and_its_requests_continue(engine, prompts):
     assert all(len(r.token_ids) == 200 and r.finish_reason == "length" for r in done)
     m = engine.metrics()
     assert m["server/dropped"] == 1 and m["server/live"] == 1 and m["server/rerouted"] >= 1, m
+
+
+def test_dead_local_server_is_replaced_with_the_current_weights(engine, tok, prompts):
+    """Runs after the killed-server test (server 1 dropped, not replaced): with ``restart`` on,
+    the last server's death is a drop and a replacement rollkit starts in the background, which
+    loads the current weights (version 5) before it rejoins and then serves them."""
+    new = tiny_qwen2(tok, seed=2, **MODEL_KW)
+    engine.update_weights(new.named_parameters(), version=5)
+    engine.restart = True
+    os.killpg(engine._proc[0].process.pid, signal.SIGKILL)
+    assert engine.check_health() == 0  # dropped; the replacement starts in the background
+    deadline = time.monotonic() + 600
+    while engine.metrics()["server/restarted"] < 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    m = engine.metrics()
+    assert m["server/restarted"] == 1 and m["server/live"] == 1 and m["server/dropped"] == 2, m
+    gens = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0))
+    assert engine.policy_version == 5 and max_err(new, gens, tok, temperature=1.0) < ATOL
