@@ -10,7 +10,8 @@ transformers engine; the training test (slow) over one vLLM server on CPU.
 import copy
 import os
 import random
-import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,33 +27,14 @@ from rollkit.trajectory import build_trajectory
 from trainers.config import AgenticConfig, load_config
 from trainers.engines import Generation, HFRolloutEngine, SamplingParams
 from trainers.engines.build import make_train_engine
-from trainers.envs.calculator import format_number, safe_eval
 from trainers.envs.http_agent import AgentEndpoint, ChatDriftError, ChatRecorder, collect_agent_episodes
 from trainers.models import char_tokenizer, default_model_path, tiny_qwen2
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+from agent_http import calculator_agent  # the recipe's agent: the user's code
+
 MODEL_KW = {"hidden_size": 64, "heads": 2, "kv_heads": 1}
 RL_STEPS = 3
-
-
-def calculator_agent(base_url, task, *, max_calls=3):
-    """The user's agent: plain ``openai`` client, a calculator tool, reward 1 for the right answer."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
-    messages = [{"role": "user", "content": f"Q {task[0]}*{task[1]}"}]
-    for _ in range(max_calls):
-        reply = client.chat.completions.create(model="rollkit", messages=messages, max_tokens=8)
-        text = reply.choices[0].message.content
-        messages.append({"role": "assistant", "content": text})
-        if m := re.fullmatch(r"\s*A\s*(-?\d+)\s*", text):
-            return float(int(m.group(1)) == task[0] * task[1])
-        if m := re.fullmatch(r"\s*C\s*([\d*+\- ]+)\s*", text):
-            try:
-                result = format_number(safe_eval(m.group(1)))
-            except ValueError:
-                result = "error"
-            messages.append({"role": "tool", "tool_call_id": "calc", "content": f"R {result}"})
-            continue
-        return 0.0
-    return 0.0
 
 
 def talkative_agent(base_url, task):
