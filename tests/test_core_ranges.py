@@ -22,7 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # Top-level test files that are not core tests: they run the docs' examples, build the site, or
 # drive the benchmarks, all of which import trainers/, recipes/ and their backends;
 # test_logprobs.py compares rollkit.logprobs with trainers.engines.hf_rollout (and vLLM).
-NOT_CORE = ("test_docs.py", "test_mkdocs.py", "test_benchmarks_smoke.py", "test_logprobs.py")
+NOT_CORE = (
+    "test_docs.py",
+    "test_mkdocs.py",
+    "test_benchmarks_smoke.py",
+    "test_logprobs.py",
+    "test_sim.py",  # drives trainers/ code in benchmarks/sim
+    "test_bench_gpu_smoke.py",  # runs benchmarks/bench_gpu.py (trainers, transformers)
+)
 # rollkit modules whose doctests need an extra (torchrl, TRL, verl, OpenRLHF).
 NOT_CORE_DOCTESTS = ("rollkit/interop", "rollkit/integrations")
 # What a core test may import: the core, the `test` extra, the standard library.
