@@ -129,6 +129,14 @@ class RolloutConfig:
     server_request_timeout_s: float = 300.0  # the longest wait for a request's next token
     server_startup_timeout_s: float = 600.0  # local servers: until all answer /health
     server_kv_cache_gib: int = 1  # local servers on CPU: VLLM_CPU_KVCACHE_SPACE
+    # with train.lora_rank > 0: what the rollout engine receives after each update: "merged"
+    # (the full weights W + scale * B A, any engine) or "adapter" (only the LoRA tensors, served
+    # by vLLM's LoRA support as a new adapter per version; rollout.engine=vllm)
+    lora_weights: str = "merged"
+    # an injected training-inference mismatch for experiments (benchmarks/bench_correction.py):
+    # > 0: the rollout engine samples at this temperature while the trainer's log-probs use
+    # rollout.temperature. 0: off (both sides use rollout.temperature)
+    engine_temperature: float = 0.0
 
 
 @dataclass
@@ -837,6 +845,23 @@ def _check_common(cfg: Any) -> None:
         raise ValueError("train.lora_targets: name at least one module (comma-separated), e.g. q_proj,v_proj")
     if t.lora_dropout >= 1:
         raise ValueError(f"train.lora_dropout must be in [0, 1), got {t.lora_dropout!r}")
+    if r.lora_weights not in ("merged", "adapter"):
+        raise ValueError(f"rollout.lora_weights: expected merged or adapter, got {r.lora_weights!r}")
+    if r.lora_weights == "adapter" and not t.lora_rank:
+        raise ValueError("rollout.lora_weights=adapter: needs a LoRA policy (train.lora_rank > 0)")
+    if r.lora_weights == "adapter" and r.engine != "vllm":
+        raise ValueError(
+            f"rollout.lora_weights=adapter: served by vLLM's LoRA support (rollout.engine=vllm), "
+            f"not rollout.engine={r.engine!r}; use lora_weights=merged"
+        )
+    if (
+        isinstance(r.engine_temperature, bool)
+        or not isinstance(r.engine_temperature, (int, float))
+        or not (r.engine_temperature >= 0)
+    ):
+        raise ValueError(
+            f"rollout.engine_temperature: expected a number >= 0 (0: off), got {r.engine_temperature!r}"
+        )
     if t.logprob_chunk_tokens and t.engine == "deepspeed" and t.zero_stage == 3:
         raise ValueError(
             "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "
