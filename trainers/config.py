@@ -845,23 +845,6 @@ def _check_common(cfg: Any) -> None:
         raise ValueError("train.lora_targets: name at least one module (comma-separated), e.g. q_proj,v_proj")
     if t.lora_dropout >= 1:
         raise ValueError(f"train.lora_dropout must be in [0, 1), got {t.lora_dropout!r}")
-    if r.lora_weights not in ("merged", "adapter"):
-        raise ValueError(f"rollout.lora_weights: expected merged or adapter, got {r.lora_weights!r}")
-    if r.lora_weights == "adapter" and not t.lora_rank:
-        raise ValueError("rollout.lora_weights=adapter: needs a LoRA policy (train.lora_rank > 0)")
-    if r.lora_weights == "adapter" and r.engine != "vllm":
-        raise ValueError(
-            f"rollout.lora_weights=adapter: served by vLLM's LoRA support (rollout.engine=vllm), "
-            f"not rollout.engine={r.engine!r}; use lora_weights=merged"
-        )
-    if (
-        isinstance(r.engine_temperature, bool)
-        or not isinstance(r.engine_temperature, (int, float))
-        or not (r.engine_temperature >= 0)
-    ):
-        raise ValueError(
-            f"rollout.engine_temperature: expected a number >= 0 (0: off), got {r.engine_temperature!r}"
-        )
     if t.logprob_chunk_tokens and t.engine == "deepspeed" and t.zero_stage == 3:
         raise ValueError(
             "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "
@@ -986,6 +969,33 @@ def _check_data(c: Config) -> None:
         _check_names(c, [("data.task", d.task, ("addition",)), ("data.digits", d.digits, (1, 2, 3))])
 
 
+def _check_rollout_extras(c: Config) -> None:
+    """``rollout.lora_weights`` and ``rollout.engine_temperature`` (sync / async configs)."""
+    r, t = c.rollout, c.train
+    if r.lora_weights not in ("merged", "adapter"):
+        raise ValueError(f"rollout.lora_weights: expected merged or adapter, got {r.lora_weights!r}")
+    if r.lora_weights == "adapter" and not t.lora_rank:
+        raise ValueError("rollout.lora_weights=adapter: needs a LoRA policy (train.lora_rank > 0)")
+    if r.lora_weights == "adapter" and r.engine != "vllm":
+        raise ValueError(
+            f"rollout.lora_weights=adapter: served by vLLM's LoRA support (rollout.engine=vllm), "
+            f"not rollout.engine={r.engine!r}; use lora_weights=merged"
+        )
+    if (
+        isinstance(r.engine_temperature, bool)
+        or not isinstance(r.engine_temperature, (int, float))
+        or not (r.engine_temperature >= 0)
+    ):
+        raise ValueError(
+            f"rollout.engine_temperature: expected a number >= 0 (0: off), got {r.engine_temperature!r}"
+        )
+    if r.lora_weights == "adapter" and c.placement.sleep_level == 2:
+        raise ValueError(
+            "placement.sleep_level=2 discards the rollout's base weights, which rollout.lora_weights=adapter "
+            "does not resend: use sleep_level=1 or lora_weights=merged"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Check ``cfg`` before anything is built; a bad value raises ``ValueError`` naming its field."""
     c = cfg
@@ -1025,6 +1035,7 @@ def validate(cfg: Config) -> None:
         ],
     )
     _check_common(c)
+    _check_rollout_extras(c)
     _check_algorithm(c)
     _check_data(c)
     parse_length_dist(c.rollout.length_dist)

@@ -186,3 +186,34 @@ def test_fast_bf16_switch_forces_either_path(monkeypatch):
         assert fast_bf16("cpu") is (value == "1") and rollout_dtype(cfg, "cpu") == want
     monkeypatch.setenv("ROLLKIT_FAST_BF16", "")  # unset: the hardware decides
     assert fast_bf16("cpu") == bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["rollout.lora_weights=x"], "rollout.lora_weights: expected merged or adapter"),
+        (["rollout.lora_weights=adapter"], r"needs a LoRA policy \(train.lora_rank > 0\)"),
+        (["train.lora_rank=4", "rollout.lora_weights=adapter"], "not rollout.engine='hf'"),
+        (
+            [
+                "train.lora_rank=4",
+                "rollout.lora_weights=adapter",
+                "rollout.engine=vllm",
+                "placement.sleep_level=2",
+            ],
+            "placement.sleep_level=2 discards",
+        ),
+        (["rollout.engine_temperature=-1"], "rollout.engine_temperature: expected a number >= 0"),
+        (["train.lora_rank=4", "rollout.lora_weights=adapter", "rollout.engine=vllm"], None),
+        (["rollout.engine_temperature=1.3"], None),
+    ],
+)
+def test_rollout_lora_weights_and_engine_temperature_are_checked(args, match):
+    from trainers.config import AgenticConfig, validate, validate_agentic
+
+    validate_agentic(AgenticConfig())  # the agentic rollout section has neither field
+    if match is None:
+        validate(load_config(args))
+        return
+    with pytest.raises(ValueError, match=match):
+        validate(load_config(args))
