@@ -1,7 +1,8 @@
 """``algorithm.correction`` in the loops: the old log-probs recomputed on the trainer, the
 behaviour (rollout engine) log-probs corrected by rollkit.correction's weights, mismatch
 metrics every step. A real mismatch is made by running the transformers rollout in bfloat16
-and the trainer in float32 (real tiny Qwen2, CPU)."""
+and the trainer in float32, an injected one by ``rollout.engine_temperature`` (the engine
+samples at another temperature than the trainer's log-probs use); real tiny Qwen2, CPU."""
 
 import os
 
@@ -13,7 +14,10 @@ pytest.importorskip("transformers")
 import torch
 
 from trainers.config import AgenticConfig, load_config
-from trainers.loops import AgenticTrainer, SyncTrainer
+from trainers.engines.base import batch_logprobs, pack_generations
+from trainers.loops import AgenticTrainer, AsyncTrainer, SyncTrainer
+from trainers.loops.collect import sampling_params
+from trainers.loops.common import Timer
 
 BASE = ["--model", "tiny", "data.digits=1", "data.eval_size=10", "eval.before=false", "eval.every=0",
         "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=6", "train.steps=1",
@@ -21,9 +25,9 @@ BASE = ["--model", "tiny", "data.digits=1", "data.eval_size=10", "eval.before=fa
         "logging.tensorboard=false", "logging.save_model=false"]  # fmt: skip
 
 
-def _step(tmp_path, *args):
+def _step(tmp_path, *args, cls=SyncTrainer):
     cfg = load_config([*BASE, f"logging.dir={tmp_path}", *args])
-    with SyncTrainer(cfg) as tr:
+    with cls(cfg) as tr:
         m = tr.step()
         w = dict(tr.learner.export_weights())
     assert all(torch.isfinite(v).all() for v in w.values())
@@ -75,3 +79,59 @@ def test_agentic_segment_correction(tmp_path):
     with AgenticTrainer(cfg) as tr:
         m = tr.step()
     assert "correction/weight_mean" in m and "mismatch/k3" in m
+
+
+#: the same numerics on both sides (float32), the trainer's log-probs at temperature 1
+F32 = ["rollout.dtype=float32", "rollout.temperature=1.0"]
+TAIL = ["tail_batching.enabled=true", "rollout.n=2", "rollout.length_dist=lognormal:4:1.5",
+        "rollout.chunk_tokens=2"]  # fmt: skip
+
+
+@pytest.mark.parametrize("collector", ["group", "tail"])
+def test_engine_samples_at_engine_temperature(tmp_path, collector):
+    """The collected samples carry the engine's log-probs at rollout.engine_temperature (equal to
+    the trainer's log-probs at that temperature), not at rollout.temperature."""
+    extra = TAIL if collector == "tail" else []
+    cfg = load_config([*BASE, f"logging.dir={tmp_path}", *F32, "rollout.engine_temperature=0.5", *extra])
+    assert sampling_params(cfg, 0, 0).temperature == 0.5 and cfg.rollout.temperature == 1.0
+    with SyncTrainer(cfg) as tr:
+        groups, _, _ = tr.collector.collect(0, Timer())
+        b = pack_generations([g for _, gs, _ in groups for g in gs], tr.codec.pad_id)
+        m = b.response_mask
+
+        def gap(temperature):
+            lp = batch_logprobs(tr.train, b, temperature=temperature, micro_batch_size=8)
+            return float((lp - b.old_logprobs)[m].abs().max())
+
+        assert m.sum() > 0 and gap(0.5) < 1e-4 and gap(1.0) > 0.1
+
+
+def test_injected_temperature_mismatch_is_measured(tmp_path):
+    """Engine at 0.5, trainer at 1.0, same numerics otherwise: the step's mismatch metrics see it
+    and the token correction's weights move off 1."""
+    m = _step(tmp_path, *F32, "rollout.engine_temperature=0.5", "algorithm.correction.level=token")
+    assert m["mismatch/k3"] > 1e-2 and m["mismatch/ess_frac"] < 0.99
+    assert m["mismatch/ratio_out_0.9_1.1"] > 0.2 and m["mismatch/mult_prob_error"] > 1.05
+    assert m["correction/weight_ess_frac"] < 0.99 and m["correction/weight_max"] > 1.2
+    assert abs(m["loss/ratio_mean"] - 1) < 1e-5  # decoupled: the ratio is against the recomputation
+
+
+def test_uncorrected_ratio_mixes_in_the_injected_temperature(tmp_path):
+    """Correction off (the PPO ratio against the engine's log-probs): the on-policy ratio is
+    pi_1 / mu_0.5, far from 1; with the engine at the trainer's temperature it is 1."""
+    inj = _step(tmp_path / "inj", *F32, "rollout.engine_temperature=0.5")
+    assert inj["mismatch/k3"] > 1e-2 and inj["mismatch/ratio_out_0.9_1.1"] > 0.2
+    assert inj["loss/ratio_min"] < 0.8 and inj["loss/ratio_max"] > 1.2  # off 1 before any update
+    same = _step(tmp_path / "same", *F32, "rollout.engine_temperature=1.0")
+    assert same["mismatch/k3"] < 1e-8 and same["mismatch/ess_frac"] > 1 - 1e-6
+    assert same["mismatch/ratio_out_0.9_1.1"] == 0
+    assert abs(same["loss/ratio_min"] - 1) < 1e-5 and abs(same["loss/ratio_max"] - 1) < 1e-5
+
+
+def test_async_loop_samples_at_engine_temperature(tmp_path):
+    """The asynchronous loop's requests (queue scheduling) sample at rollout.engine_temperature:
+    with ratio 0 there is no staleness, so the measured mismatch is the temperature's alone."""
+    args = ["asynchronous.enabled=true", "asynchronous.ratio=0", "asynchronous.deterministic=true"]
+    m = _step(tmp_path, *F32, *args, "rollout.engine_temperature=0.5", cls=AsyncTrainer)
+    assert m["staleness/max"] == 0
+    assert m["mismatch/k3"] > 1e-2 and m["mismatch/ratio_out_0.9_1.1"] > 0.2

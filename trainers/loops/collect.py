@@ -40,12 +40,20 @@ Group = tuple[Prompt, list[Generation], list[float]]
 
 
 def sampling_params(cfg: Config, round_: int, step: int) -> SamplingParams:
-    """The sampling parameters of generation round ``round_`` of ``step``; the seed is a function
-    of ``(seed, step, round_)`` only, so a resumed run samples what the original would have."""
+    """The rollout engine's sampling parameters for generation round ``round_`` of ``step`` (the
+    sync, async and tail-batching loops all sample with these).
+
+    The seed is a function of ``(seed, step, round_)`` only, so a resumed run samples what the
+    original would have. The temperature is ``rollout.engine_temperature`` when it is set (> 0:
+    an injected training-inference mismatch; the engine's log-probs are then those of its own
+    temperature, while the trainer's stay at ``rollout.temperature``), else ``rollout.temperature``.
+    Greedy evaluation does not come through here.
+    """
     r = cfg.rollout
     seed = (cfg.seed * 1_000_003 + step * 1009 + round_) % (2**31)
+    temperature = r.engine_temperature if r.engine_temperature > 0 else r.temperature
     return SamplingParams(
-        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, seed=seed
+        n=r.n, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, seed=seed
     )
 
 
