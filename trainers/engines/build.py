@@ -31,7 +31,7 @@ from trainers.engines.base import RolloutEngine, TrainEngine
 from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
 from trainers.engines.fsdp2_train import FSDP2TrainEngine
 from trainers.engines.hf_rollout import HFRolloutEngine
-from trainers.engines.lora import apply_lora
+from trainers.engines.lora import adapter_config, apply_lora
 from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.engines.vllm_rollout import VLLMRolloutEngine
@@ -157,6 +157,23 @@ def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
     return load_model(path, dtype=dtype)
 
 
+def _lora_targets(cfg: Any) -> tuple[str, ...]:
+    return tuple(s.strip() for s in cfg.train.lora_targets.split(",") if s.strip())
+
+
+def _rollout_lora(cfg: Any) -> dict[str, Any] | None:
+    """The adapter config a vLLM rollout engine serves (``rollout.lora_weights=adapter``), else None."""
+    t = cfg.train
+    if not t.lora_rank or _lora_export(cfg) != "adapter":
+        return None
+    return adapter_config(t.lora_rank, t.lora_alpha or None, _lora_targets(cfg))
+
+
+def _lora_export(cfg: Any) -> str:
+    """``rollout.lora_weights`` where the config has one (offline configs have no rollout)."""
+    return getattr(getattr(cfg, "rollout", None), "lora_weights", "merged")
+
+
 def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> RolloutEngine:
     """The ``rollout.engine`` engine over ``model`` (used as is: pass a copy). vLLM loads from
     a directory: the model and tokenizer are saved to a private temporary directory first,
@@ -175,6 +192,7 @@ def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) ->
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len,
             seed=cfg.seed,
+            lora=_rollout_lora(cfg),
         )
         eng.model_dir = tmp  # removed with the engine
         return eng
@@ -236,7 +254,7 @@ def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
             rank=t.lora_rank,
             alpha=t.lora_alpha or None,
             dropout=t.lora_dropout,
-            target_modules=tuple(s.strip() for s in t.lora_targets.split(",") if s.strip()),
+            target_modules=_lora_targets(cfg),
             seed=cfg.seed,
         )
     kw = dict(
@@ -249,10 +267,14 @@ def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
     )
     kw["logprob_chunk_tokens"] = t.logprob_chunk_tokens
     if t.engine == "torch":
-        return TorchTrainEngine(model, autocast=train_autocast(cfg, device), **kw)
+        eng: Any = TorchTrainEngine(model, autocast=train_autocast(cfg, device), **kw)
+        eng.lora_export = _lora_export(cfg)
+        return eng
     if t.engine == "deepspeed":
         train_autocast(cfg, device)  # rejects an explicit autocast
-        return DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, **kw)
+        eng = DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, **kw)
+        eng.lora_export = _lora_export(cfg)
+        return eng
     if t.engine == "fsdp2":
         train_autocast(cfg, device)  # rejects an explicit autocast (FSDP2 has mixed_precision)
         return FSDP2TrainEngine(model, **kw)

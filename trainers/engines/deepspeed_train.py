@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from trainers.deps import require
-from trainers.engines.lora import is_lora, merged_weights, save_lora
+from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -260,6 +260,10 @@ class DeepSpeedTrainEngine:
     discarded, scheduler not stepped; DeepSpeed then reports the norm as ``inf`` under ZeRO).
     """
 
+    #: a LoRA policy's :meth:`export_weights`: ``"merged"`` (full weights, any rollout engine)
+    #: or ``"adapter"`` (the adapter alone, for vLLM's LoRA support); set it on the engine
+    lora_export: str = "merged"
+
     def __init__(
         self,
         model: Any,
@@ -484,8 +488,8 @@ class DeepSpeedTrainEngine:
         all-gather of the group's shards, so exporting costs about one forward's weight
         traffic.
         """
-        if is_lora(self.model):  # the merged weights under the base model's names
-            yield from merged_weights(self.model, dtype)
+        if is_lora(self.model):  # merged (base names) or the adapter alone: lora_export
+            yield from lora_export_weights(self.model, self.lora_export, dtype)
             return
         if self.zero_stage != 3:
             for name, p in self.model.named_parameters():

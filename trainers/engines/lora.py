@@ -8,17 +8,22 @@ only they reach the optimizer); what changes is what the rollout engine receives
     rollout = HFRolloutEngine(copy.deepcopy(model_without_lora), tokenizer)
     ...
     rollout.update_weights(merged_weights(train.model), version)   # W + B A * scale, base names
+    vllm_rollout.update_weights(adapter_weights(train.model), version)   # vLLM's LoRA: the adapter
     save_lora(train.model, tokenizer, "out/lora", merged=False)   # adapter + out/lora/base
 
 :func:`merged_weights` is what an engine without LoRA support loads (a plain model's
-``state_dict`` names); :func:`adapter_weights` is the adapter alone, named as peft saves it.
+``state_dict`` names); :func:`adapter_weights` is the adapter alone, named as peft saves it,
+which :class:`~trainers.engines.vllm_rollout.VLLMRolloutEngine` built with
+``lora=adapter_config(...)`` serves through vLLM's LoRA support (:func:`write_adapter`).
 See docs/engines.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import json
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +36,15 @@ from trainers.models import save_model
 __all__ = [
     "BASE_SUBDIR",
     "LORA_TARGETS",
+    "adapter_config",
     "adapter_weights",
     "apply_lora",
     "is_lora",
+    "LORA_EXPORTS",
+    "lora_export_weights",
     "merged_weights",
     "save_lora",
+    "write_adapter",
 ]
 
 #: where :func:`save_lora` writes the base model beside an unmerged adapter
@@ -205,6 +214,22 @@ def adapter_weights(peft_model: Any, dtype: torch.dtype | None = None) -> Iterat
         yield name, (t if dtype is None else t.to(dtype))
 
 
+#: what a training engine's ``export_weights`` gives for a LoRA policy (``engine.lora_export``)
+LORA_EXPORTS = ("merged", "adapter")
+
+
+def lora_export_weights(
+    peft_model: Any, lora_export: str, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """:func:`merged_weights` (``lora_export="merged"``, for any rollout engine) or
+    :func:`adapter_weights` (``"adapter"``, for a vLLM engine built with ``lora=``)."""
+    if lora_export == "merged":
+        return merged_weights(peft_model, dtype)
+    if lora_export == "adapter":
+        return adapter_weights(peft_model, dtype)
+    raise ValueError(f"lora_export: expected one of {LORA_EXPORTS}, got {lora_export!r}")
+
+
 @contextlib.contextmanager
 def _base_path(peft_model: Any, path: Path) -> Iterator[None]:
     """Point every adapter config's ``base_model_name_or_path`` at ``path`` while saving."""
@@ -253,4 +278,70 @@ def save_lora(peft_model: Any, tokenizer: Any, path: str | Path, *, merged: bool
         peft_model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    return path
+
+
+#: ``base_model.model.<module>.lora_A.weight`` / ``lora_B``: the names of :func:`adapter_weights`
+ADAPTER_NAME = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+
+
+def adapter_config(
+    rank: int, alpha: float | None = None, target_modules: Sequence[str] = LORA_TARGETS
+) -> dict:
+    """The ``adapter_config.json`` of a plain LoRA adapter (peft's ``LoraConfig`` fields that
+    vLLM and peft read): rank ``r``, ``lora_alpha`` (``None``: ``rank``, scale 1), the adapted
+    module names; no bias, DoRA, rsLoRA or extra saved modules (what :func:`apply_lora` makes).
+
+    >>> adapter_config(16, 32.0, ("q_proj", "v_proj"))["target_modules"]
+    ['q_proj', 'v_proj']
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    if alpha is not None and not (isinstance(alpha, (int, float)) and alpha > 0):
+        raise ValueError(f"alpha must be > 0 or None, got {alpha!r}")
+    targets = sorted({str(t) for t in target_modules})
+    if not targets:
+        raise ValueError("target_modules: name at least one module")
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": float(rank if alpha is None else alpha),
+        "target_modules": targets,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+
+
+def write_adapter(named_tensors: Iterable[tuple[str, Tensor]], config: dict, path: str | Path) -> Path:
+    """Write a LoRA adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``,
+    peft's layout) from :func:`adapter_weights`-named tensors and an :func:`adapter_config`;
+    returns ``path``. Every name must be an adapter name (``...lora_A.weight`` /
+    ``...lora_B.weight``, both of each module), every ``lora_A`` ``[r, in]`` and ``lora_B``
+    ``[out, r]`` with the config's ``r`` (``KeyError`` / ``ValueError`` naming the tensor)."""
+    from safetensors.torch import save_file
+
+    r = int(config["r"])
+    tensors: dict[str, Tensor] = {}
+    halves: dict[str, set[str]] = {}
+    for name, t in named_tensors:
+        m = ADAPTER_NAME.fullmatch(name)
+        if m is None:
+            raise KeyError(f"write_adapter: {name!r} is not a LoRA adapter tensor (...lora_A/lora_B.weight)")
+        if t.dim() != 2 or (t.shape[0] if m.group(2) == "A" else t.shape[1]) != r:
+            raise ValueError(f"write_adapter: {name!r} has shape {list(t.shape)}, expected rank {r}")
+        tensors[name] = t.detach().to("cpu").contiguous()
+        halves.setdefault(m.group(1), set()).add(m.group(2))
+    unpaired = sorted(k for k, v in halves.items() if v != {"A", "B"})
+    if not tensors or unpaired:
+        raise KeyError(
+            f"write_adapter: every module needs lora_A and lora_B; unpaired: {unpaired[:3] or 'no tensors'}"
+        )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return path

@@ -215,7 +215,8 @@ class VLLMRequestEngine(_RequestEngineBase):
     derived seed; on CPU unseeded, see ``seeded``) whose output is streamed as deltas (``RequestOutputKind.DELTA``), so the
     tokens and log-probs of an aborted request are kept. :meth:`step` is one
     ``LLMEngine.step()``: vLLM schedules every running request (continuous batching, chunked
-    prefill). Use the rollout engine only through this object while requests run.
+    prefill), with the engine's current LoRA adapter if it serves one (``lora_request``). Use the
+    rollout engine only through this object while requests run.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -241,7 +242,7 @@ class VLLMRequestEngine(_RequestEngineBase):
                 vp.seed = None
             vp.output_kind = self._delta
             prompt = {"prompt_token_ids": [int(t) for t in r.prompt_ids] + [int(t) for t in r.token_ids]}
-            internal = core.add_request(r.request_id, prompt, vp)
+            internal = core.add_request(r.request_id, prompt, vp, lora_request=self.engine.lora_request)
             self._running[r.request_id] = (r, internal)
 
     def step(self) -> list[Request]:

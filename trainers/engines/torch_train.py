@@ -37,7 +37,7 @@ from rollkit.logprobs import lean_token_logprobs
 from rollkit.logprobs import token_logprobs as replay_logprobs
 from rollkit.losses import entropy_from_logits
 from trainers.engines.base import position_ids_from_mask
-from trainers.engines.lora import is_lora, merged_weights, save_lora
+from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.models import save_model
 
 __all__ = ["TorchTrainEngine", "response_hidden", "response_logits", "response_logprobs", "token_logprobs"]
@@ -298,6 +298,10 @@ class TorchTrainEngine:
     ``metrics["skipped"] == 1``).
     """
 
+    #: a LoRA policy's :meth:`export_weights`: ``"merged"`` (full weights, any rollout engine)
+    #: or ``"adapter"`` (the adapter alone, for vLLM's LoRA support); set it on the engine
+    lora_export: str = "merged"
+
     def __init__(
         self,
         model: Any,
@@ -473,10 +477,11 @@ class TorchTrainEngine:
         Tensors are detached views of the live parameters (no copy) unless ``dtype`` asks
         for a cast: consume them before the next :meth:`step`. A LoRA model (peft) exports the
         merged weights ``W + B A * scale`` under the base model's names
-        (:func:`trainers.engines.lora.merged_weights`).
+        (:func:`trainers.engines.lora.merged_weights`), or with ``lora_export = "adapter"`` the
+        adapter alone (:func:`trainers.engines.lora.adapter_weights`).
         """
         if is_lora(self.model):
-            yield from merged_weights(self.model, dtype)
+            yield from lora_export_weights(self.model, self.lora_export, dtype)
             return
         for name, p in self.model.named_parameters():
             t = p.detach()

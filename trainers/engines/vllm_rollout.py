@@ -6,7 +6,8 @@ prompts, ``out[i * n + j]`` is sample ``j`` of prompt ``i``, the stop token kept
 ``logprobs`` of the *processed* sampling distribution (``logprobs_mode="processed_logprobs"``;
 the trainer replays top-k / top-p, :mod:`rollkit.logprobs`). Weights are reloaded in place
 through ``collective_rpc("reload_weights", ...)`` (all-or-nothing name checks; a safetensors
-file with worker processes); sleep mode where the platform has it. ``vllm`` is imported when
+file with worker processes), or, for a LoRA policy built with ``lora=``, served as a vLLM LoRA
+adapter (one new adapter per version); sleep mode where the platform has it. ``vllm`` is imported when
 the engine is built. Seeds, weights, tied embeddings on CPU and sleep: docs/engines.md
 ("vLLM rollout engine").
 """
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.lora import ADAPTER_NAME, write_adapter
 
 __all__ = ["VLLMRolloutEngine"]
 
@@ -142,6 +144,25 @@ def _engine_kwargs(
     return kwargs
 
 
+#: vLLM's allowed ``max_lora_rank`` values (``vllm.config.lora.MaxLoRARanks``)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_kwargs(lora: dict[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments that serve one LoRA adapter of ``lora["r"]``."""
+    if not isinstance(lora, dict) or not {"r", "lora_alpha", "target_modules"} <= set(lora):
+        raise ValueError(
+            "lora: expected an adapter config dict with r, lora_alpha and target_modules "
+            "(trainers.engines.lora.adapter_config)"
+        )
+    ranks = [k for k in _VLLM_LORA_RANKS if k >= lora["r"]]
+    if not ranks:
+        raise ValueError(
+            f"lora: rank {lora['r']} is above vLLM's largest max_lora_rank {_VLLM_LORA_RANKS[-1]}"
+        )
+    return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": 1, "max_cpu_loras": 1}
+
+
 def _eos_ids(tokenizer: Any, gen_cfg: dict[str, Any]) -> tuple[int, ...]:
     eos: set[int] = set()
     for e in (getattr(tokenizer, "eos_token_id", None), gen_cfg.get("eos_token_id")):
@@ -167,6 +188,10 @@ class VLLMRolloutEngine:
         enforce_eager: no CUDA graphs / torch.compile (fast start-up; required for tests).
         tensor_parallel_size: GPUs per engine.
         enable_sleep_mode: ``None``: on where the platform supports it (not on CPU).
+        lora: the LoRA adapter config of a LoRA policy (:func:`trainers.engines.lora.adapter_config`):
+            vLLM's LoRA support is turned on and :meth:`update_weights` also accepts the adapter
+            alone (:func:`trainers.engines.lora.adapter_weights` names), which is then served
+            as a new vLLM adapter for every request. ``None``: full weights only.
         **engine_kwargs: passed to ``vllm.LLM`` as is (e.g. ``enable_prefix_caching``).
             ``logprobs_mode`` is fixed to ``"processed_logprobs"``.
 
@@ -185,6 +210,7 @@ class VLLMRolloutEngine:
         enforce_eager: bool = True,
         tensor_parallel_size: int = 1,
         enable_sleep_mode: bool | None = None,
+        lora: dict[str, Any] | None = None,
         **engine_kwargs: Any,
     ) -> None:
         dtype = _check_args(dtype, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, engine_kwargs)
@@ -207,7 +233,12 @@ class VLLMRolloutEngine:
         kwargs = _engine_kwargs(
             self.device_type, config, model_path, kv_cache_gib, gpu_memory_utilization, max_model_len
         )
+        if lora is not None:
+            kwargs.update(_lora_kwargs(lora))
         kwargs.update(engine_kwargs)
+        self.lora = lora
+        self._lora_request: Any = None
+        self._adapters = 0
         self.dtype = _DTYPES[dtype]
         from vllm import envs
 
@@ -269,7 +300,9 @@ class VLLMRolloutEngine:
         if not prompts:
             return []
         token_prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        outs = self.llm.generate(token_prompts, self._vllm_params(params), use_tqdm=False)
+        outs = self.llm.generate(
+            token_prompts, self._vllm_params(params), use_tqdm=False, lora_request=self._lora_request
+        )
         result: list[Generation] = []
         for i, (p, ro) in enumerate(zip(token_prompts, outs)):
             samples = sorted(ro.outputs, key=lambda c: c.index)
@@ -372,9 +405,61 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weights
 
+    @property
+    def lora_request(self) -> Any:
+        """The ``vllm.lora.request.LoRARequest`` every request is served with (``None``: the
+        base weights, before the first adapter update or after a full-weights update)."""
+        return self._lora_request
+
+    def _weights_dir(self) -> str:
+        if self._transfer_dir is None:
+            self._transfer_dir = tempfile.mkdtemp(prefix="rollkit-vllm-weights-")
+        return self._transfer_dir
+
+    def _update_adapter(self, named: list[tuple[str, Tensor]], version: int) -> None:
+        """Serve the LoRA adapter ``named`` (see :meth:`update_weights`) as a new vLLM adapter."""
+        if self.lora is None:
+            raise ValueError(
+                "update_weights: got LoRA adapter tensors, but the engine was built without lora= "
+                "(vLLM's LoRA support is off): build it with lora=adapter_config(...) or send merged weights"
+            )
+        for name, t in named:
+            m = ADAPTER_NAME.fullmatch(name)
+            if m is None:
+                raise KeyError(f"update_weights: {name!r} mixed with LoRA adapter tensors (send one kind)")
+            base = m.group(1) + ".weight"
+            if base not in self._shapes:
+                raise KeyError(f"update_weights: {name!r} adapts {base!r}, which the model does not have")
+            out, inp = self._shapes[base]
+            r = int(self.lora["r"])
+            want = (r, inp) if m.group(2) == "A" else (out, r)
+            if tuple(t.shape) != want:
+                raise ValueError(f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(want)}")
+        self._adapters += 1
+        path = write_adapter(
+            ((n, t.to(self.dtype)) for n, t in named),
+            self.lora,
+            Path(self._weights_dir()) / f"adapter-{self._adapters}",
+        )
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"policy-{self._adapters}", self._adapters, str(path))
+        self.llm.llm_engine.add_lora(request)  # loaded now (evicts the previous one): errors surface here
+        old, self._lora_request = self._lora_request, request
+        if old is not None:
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self.policy_version = int(version)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Load ``(name, tensor)`` pairs (Hugging Face ``state_dict`` names) into vLLM; set
         ``policy_version``.
+
+        A LoRA adapter alone (every name ``base_model.model.<module>.lora_A.weight`` or
+        ``lora_B``, :func:`trainers.engines.lora.adapter_weights`), with an engine built with
+        ``lora=``: written as a peft adapter directory, loaded by vLLM as a new adapter
+        (``LoRARequest``, a new id per update, the previous one evicted) and used by every
+        request from then on; the base weights are unchanged. Otherwise the full weights:
 
         Checked before anything is sent, as HFRolloutEngine does: an unknown name
         (``KeyError``), a wrong shape (``ValueError``) or a checkpoint tensor left out
@@ -388,9 +473,13 @@ class VLLMRolloutEngine:
             raise RuntimeError(
                 f"the engine is asleep (level {self._sleep_level}): call wake() before update_weights()"
             )
+        named = list(named_tensors)
+        if named and ADAPTER_NAME.fullmatch(named[0][0]):
+            self._update_adapter(named, version)
+            return
         weights: list[tuple[str, Tensor]] = []
         seen: set[str] = set()
-        for name, t in named_tensors:
+        for name, t in named:
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if name not in self._shapes:
@@ -413,12 +502,14 @@ class VLLMRolloutEngine:
             # ("cannot pickle memoryview objects"): hand them over as a safetensors file.
             from safetensors.torch import save_file
 
-            if self._transfer_dir is None:
-                self._transfer_dir = tempfile.mkdtemp(prefix="rollkit-vllm-weights-")
-            save_file(dict(weights), os.path.join(self._transfer_dir, "model.safetensors"))
+            save_file(dict(weights), os.path.join(self._weights_dir(), "model.safetensors"))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._transfer_dir})
         if self.tie_word_embeddings and self.device_type == "cpu":
             self.llm.collective_rpc(_refresh_tied_lm_head)
+        if self._lora_request is not None:  # full weights replace base + adapter
+            shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
+            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            self._lora_request = None
         self.llm.reset_prefix_cache()
         self._needs_weights = False
         self.policy_version = int(version)
@@ -437,6 +528,10 @@ class VLLMRolloutEngine:
         """
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
+        if level == 2 and self.lora is not None:
+            raise ValueError(
+                "level=2 discards the base weights, which LoRA adapter updates do not resend: use level=1"
+            )
         if self._sleep_level:
             return
         if self.sleep_frees_memory:
