@@ -16,6 +16,13 @@ staleness and the speed-up against ``sync``; results are printed, not asserted.
     python benchmarks/bench_async.py --learning              # learning preserved: sync vs a=2, 3 seeds
     python benchmarks/bench_async.py --recipe                # the default recipe's own job, 5 set-ups
 
+``--epoch K`` times one epoch of a fixed set of ``K`` prompts per mode (:func:`run_epoch`): every
+sample of every prompt is trained, or dropped by a stated rule and counted, and the headline is
+trained tokens per second, so that no mode wins by training shorter responses:
+
+    python benchmarks/bench_async.py --epoch 32 --prompts 4 --n 4          # W1, sync / async on Ray, tail batching
+    python benchmarks/bench_async.py --epoch 4 --prompts 2 --n 2 --model tiny --engine hf --cap 16 --layout process
+
 ``--recipe`` runs the whole job of ``recipes/rlvr_qwen.py`` once per set-up (``--recipe-modes``:
 in process and on a local Ray with ``placement.mode=disaggregated``, sync and async);
 ``--learning`` the tiny-model task of the tests, sync vs ``ratio=2`` (``--async-config``) over
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import math
 import os
 import statistics
 import sys
@@ -70,6 +78,291 @@ def mode_overrides(mode: str, extra: int) -> list[str]:
     raise ValueError(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
 
 
+# --------------------------------------------------------------------------- one epoch
+
+#: the modes of ``--epoch``; sync and async run on ``--layout``, tail batching always in this
+#: process (the trainers refuse tail batching on Ray), "sync (in process)" is its baseline
+EPOCH_MODES = ("sync", "async a=1", "async a=2", "tail batching", "sync (in process)")
+_ON_LAYOUT = ("sync", "async a=1", "async a=2")
+
+
+def _queue_driven(spec: EpochSpec, mode: str) -> bool:
+    """Whether ``mode`` runs on the queue scheduler and its buffer: async, and sync on Ray (the
+    synchronous collector has no request-level view of a Ray rollout group, so sync on Ray is
+    the queue scheduler at ``asynchronous.ratio=0``, which trains the synchronous samples)."""
+    return mode.startswith("async") or (mode == "sync" and spec.layout == "ray")
+
+
+class EpochSpec:
+    """One epoch of ``epoch_prompts`` fixed prompts per mode (:func:`run_epoch`). ``layout``:
+    ``"ray"`` (sync and async disaggregated, half the cores each) or ``"process"``; ``model``:
+    ``""`` (SmolLM2-135M-Instruct), ``"tiny"`` or a checkpoint dir; ``threads``: torch threads in
+    this process (0: every core). A plain class: the benchmarks are loaded from their paths."""
+
+    def __init__(
+        self,
+        epoch_prompts: int,
+        modes: list[str] | None = None,
+        layout: str = "ray",
+        model: str = "",
+        engine: str = "vllm",
+        prompts: int = 4,
+        n: int = 4,
+        length_dist: str = "lognormal:16.0:1.5",
+        cap: int = 512,
+        micro_batch: int = 8,
+        eta_prompts: float = 1.25,
+        eta_responses: float = 1.25,
+        seed: int = 0,
+        threads: int = 0,
+    ) -> None:
+        self.epoch_prompts, self.modes = epoch_prompts, list(EPOCH_MODES if modes is None else modes)
+        self.layout, self.model, self.engine = layout, model, engine
+        self.prompts, self.n, self.length_dist, self.cap = prompts, n, length_dist, cap
+        self.micro_batch, self.eta_prompts, self.eta_responses = micro_batch, eta_prompts, eta_responses
+        self.seed, self.threads = seed, threads
+        self._check()
+
+    def _check(self) -> None:
+        for name in ("epoch_prompts", "prompts", "n", "cap", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.epoch_prompts % self.prompts:
+            raise ValueError(
+                f"--epoch: {self.epoch_prompts} prompts is not a whole number of steps of "
+                f"--prompts {self.prompts} (the synchronous modes train exactly {self.prompts} per step)"
+            )
+        if self.layout not in ("ray", "process"):
+            raise ValueError(f"--layout: expected 'ray' or 'process', got {self.layout!r}")
+        for m in self.modes:
+            if m not in EPOCH_MODES:
+                raise ValueError(f"--modes: unknown epoch mode {m!r}; known: {', '.join(EPOCH_MODES)}")
+
+
+def epoch_overrides(spec: EpochSpec, mode: str) -> list[str]:
+    """The trainer config of ``mode`` in an epoch run (everything else is shared)."""
+    tiny = spec.model == "tiny"
+    over = [
+        "--model",
+        spec.model,
+        f"rollout.engine={spec.engine}",
+        f"rollout.prompts_per_step={spec.prompts}",
+        f"rollout.n={spec.n}",
+        f"rollout.max_tokens={spec.cap}",
+        f"rollout.length_dist={spec.length_dist}",
+        "rollout.temperature=1.0",
+        "rollout.dtype=auto",
+        "train.autocast=auto",
+        "train.sort_by_length=true",
+        f"train.micro_batch_size={spec.micro_batch}",
+        "train.lr=1e-6",
+        "data.digits=1" if tiny else "data.digits=2",
+        "data.eval_size=10",
+        "eval.before=false",
+        "eval.every=0",
+        f"seed={spec.seed}",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        f"logging.dir={tempfile.mkdtemp(prefix='rollkit-bench-epoch-')}",
+    ]
+    if spec.engine == "vllm":
+        over += [f"rollout.max_model_len={spec.cap + 128}"]
+        if tiny:  # vLLM's CPU attention needs a head size of 32
+            over += ["model.tiny_heads=2", "model.tiny_kv_heads=1"]
+    if mode.startswith("async"):
+        over += [f"asynchronous.ratio={mode.split('=')[1]}", *_OFF_POLICY]
+    elif _queue_driven(spec, mode):
+        over += ["asynchronous.ratio=0"]
+    if mode == "tail batching":
+        over += [
+            "tail_batching.enabled=true",
+            f"tail_batching.eta_prompts={spec.eta_prompts}",
+            f"tail_batching.eta_responses={spec.eta_responses}",
+        ]
+    if spec.layout == "ray" and mode in _ON_LAYOUT:
+        cores = os.cpu_count() or 1
+        over += [*_RAY, f"ray.num_cpus={cores}", f"placement.cpus_per_worker={max(1, cores // 2)}"]
+    return over
+
+
+class _EpochLedger:
+    """Which of the epoch's prompts are trained, dropped or still open, per mode.
+
+    * sync in this process: the collector draws ``prompts`` prompts a step from the epoch's shuffled order, and
+      trains all of them: the epoch is ``K / prompts`` steps (checked on the prompt iterator).
+    * tail batching: the prompt ids of :class:`rollkit.scheduling.EpochSampler` are
+      ``epoch * K + index``, so ids ``< K`` are this epoch's; each step's batch names the prompts
+      it trains (and, with dynamic sampling, drops). A deferred prompt waits for a long round,
+      so prompts of the next epoch may be trained before the epoch closes (counted).
+    * async, and sync on Ray (the queue scheduler at ratio 0): the buffer's request ids ``0 .. K-1`` are the first ``K`` prompts drawn, i.e. this
+      epoch; every batch's ids are recorded as the trainer draws it (the buffer's own
+      ``get_batch``, wrapped to read its return value). An epoch request that leaves the buffer
+      untrained was dropped by the freshness rule: aborted while running (too old to finish in
+      time) or expired after finishing. The epoch closes when none of its requests is running
+      or held.
+    """
+
+    def __init__(self, tr: object, mode: str, K: int, P: int, queue: bool) -> None:
+        self.tr, self.mode, self.K, self.P, self.queue = tr, mode, K, P, queue
+        self.trained: set[int] = set()  # epoch ids trained
+        self.dropped: set[int] = set()
+        self.next_epoch = 0  # prompts of later epochs trained before this one closed
+        self.steps = 0
+        if queue:
+            buf, get = tr.buffer, tr.buffer.get_batch
+
+            def get_batch():  # the buffer's own batch, recorded
+                batch = get()
+                if batch is not None:
+                    self._record(batch.request_ids)
+                return batch
+
+            buf.get_batch = get_batch
+
+    def _record(self, ids) -> None:
+        for i in ids:
+            if i < self.K:
+                self.trained.add(i)
+            else:
+                self.next_epoch += 1
+
+    def after_step(self) -> bool:
+        """Account the step just taken; whether the epoch is closed."""
+        self.steps += 1
+        if self.mode.startswith("sync") and not self.queue:
+            self.trained.update(range((self.steps - 1) * self.P, self.steps * self.P))
+            return self.steps * self.P >= self.K
+        if self.mode == "tail batching":
+            b = self.tr.last_tail_batch
+            self._record(b.prompt_ids)
+            self.dropped.update(i for i in b.dropped if i < self.K)
+            return len(self.trained | self.dropped) >= self.K
+        buf = self.tr.buffer
+        with self.tr.scheduler.cond:  # the producer thread changes the buffer under this lock
+            st = buf.state_dict()
+        reserved = st["next_id"]
+        open_ = {r for r, _ in st["running"]} | {r for r, *_ in st["held"]}
+        gone = set(range(min(reserved, self.K))) - open_ - self.trained
+        self.dropped |= gone
+        return reserved >= self.K and not any(r < self.K for r in open_)
+
+    def check(self) -> None:
+        """The epoch's conservation law: every prompt trained once or dropped by the rule."""
+        assert not (self.trained & self.dropped), "a prompt was both trained and dropped"
+        assert len(self.trained) + len(self.dropped) == self.K, (len(self.trained), len(self.dropped), self.K)
+        if self.mode.startswith("sync") and not self.queue:
+            it = self.tr.iterator.state_dict()
+            assert (it["epoch"], it["position"]) in ((0, self.K), (1, 0)), it
+
+
+def _epoch_trainer(spec: EpochSpec, mode: str, prompts: list) -> object:
+    from trainers.config import load_config
+    from trainers.loops import AsyncTrainer, SyncTrainer
+
+    cfg = load_config(epoch_overrides(spec, mode))
+    cls = AsyncTrainer if _queue_driven(spec, mode) else SyncTrainer
+    return cls(cfg, train_prompts=prompts)
+
+
+def epoch_one(spec: EpochSpec, mode: str) -> dict[str, float]:
+    """One epoch of ``mode`` from a cold start (fresh engines and trainer; building them is
+    not timed; the first step's first-call costs are)."""
+    from trainers.config import load_config
+    from trainers.data import build_prompts
+
+    prompts = build_prompts(load_config(epoch_overrides(spec, "sync")))[0][: spec.epoch_prompts]
+    if len(prompts) < spec.epoch_prompts:
+        raise SystemExit(f"--epoch: the task has only {len(prompts)} train prompts")
+    K, P, n = spec.epoch_prompts, spec.prompts, spec.n
+    tr = _epoch_trainer(spec, mode, prompts)
+    queue = _queue_driven(spec, mode)
+    ledger = _EpochLedger(tr, mode, K, P, queue)
+    tokens = samples = wait = gen = 0.0
+    tokens0 = tr.scheduler.counts["generated_tokens"] if queue else 0
+    try:
+        t0 = time.perf_counter()
+        limit = 4 * K // P + 8
+        while True:
+            m = tr.step()
+            k = m.get("rollout/kept_groups", P) * n
+            samples += k
+            tokens += m["response/length_mean"] * k
+            wait += m.get("time/rollout", 0.0) + m.get("time/wait", 0.0)
+            gen += m.get("throughput/rollout_tokens_per_s", 0.0) * m.get("time/rollout", 0.0)
+            if ledger.after_step():
+                break
+            if ledger.steps >= limit:
+                raise RuntimeError(f"{mode}: the epoch did not close in {limit} steps ({ledger.__dict__})")
+        wall = time.perf_counter() - t0
+        generated = tr.scheduler.counts["generated_tokens"] - tokens0 if queue else gen
+        aborted = m.get("buffer/aborted", 0.0) + m.get("buffer/dropped_stale", 0.0)
+    finally:
+        tr.close()
+        gc.collect()
+    ledger.check()
+    return {
+        "wall_s": wall,
+        "steps": ledger.steps,
+        "trained": len(ledger.trained),
+        "dropped": len(ledger.dropped),
+        "next_epoch": ledger.next_epoch,
+        "samples": samples,
+        "tokens": tokens,
+        "generated": generated,
+        "dropped_requests": aborted,
+        "mean_length": tokens / max(samples, 1),
+        "tokens_per_s": tokens / max(wall, 1e-9),
+        "wait_share": wait / max(wall, 1e-9),
+    }
+
+
+def run_epoch(spec: EpochSpec) -> dict[str, dict[str, float]]:
+    """``--epoch``: each mode of ``spec.modes`` trains one epoch of the same ``K`` prompts; the
+    table gives the epoch's wall time, the prompts trained / dropped (and trained from the next
+    epoch before it closed), the mean trained length and the trained tokens per second, with the
+    speed-up in trained tokens/s over the sync run of the same layout."""
+    torch.set_num_threads(spec.threads or max(1, os.cpu_count() or 1))
+    where = {m: "ray 1+1" if spec.layout == "ray" and m in _ON_LAYOUT else "process" for m in spec.modes}
+    if where.get("sync") == "ray 1+1":
+        where["sync"] = "ray 1+1 (queue, ratio 0)"
+    print(
+        f"One epoch: {spec.epoch_prompts} prompts x {spec.n} samples, {spec.prompts} prompts per step; "
+        f"model {spec.model or 'SmolLM2-135M-Instruct'}, engine {spec.engine}, lengths {spec.length_dist} "
+        f"capped at {spec.cap}, ignore_eos; {os.cpu_count()} cores",
+        flush=True,
+    )
+    rows: dict[str, dict[str, float]] = {}
+    for mode in spec.modes:
+        rows[mode] = epoch_one(spec, mode)
+        r = rows[mode]
+        print(
+            f"  {mode:<18} {r['wall_s']:.1f} s, {r['steps']} steps, {r['tokens_per_s']:.1f} trained tok/s",
+            flush=True,
+        )
+    print()
+    print(
+        "| mode | layout | epoch s | steps | epoch prompts trained / dropped | next-epoch prompts trained | "
+        "mean trained length | trained tokens/s | speed-up (trained tokens/s) | generated tokens |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mode, r in rows.items():
+        base = (
+            "sync" if where[mode] != "process" else ("sync (in process)" if spec.layout == "ray" else "sync")
+        )
+        ref = rows.get(base, {}).get("tokens_per_s", math.nan)
+        print(
+            f"| {mode} | {where[mode]} | {r['wall_s']:.1f} | {r['steps']} | {r['trained']} / {r['dropped']} | "
+            f"{r['next_epoch']} | {r['mean_length']:.1f} | {r['tokens_per_s']:.2f} | "
+            f"{r['tokens_per_s'] / ref:.2f}x | {r['generated']:.0f} |"
+        )
+    print(
+        "dropped: async requests aborted by the freshness bound or expired after finishing; tail "
+        "batching trains the first R0 of ceil(eta_R R0) responses of each prompt"
+    )
+    return rows
+
+
 def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="HF checkpoint dir; '' = SmolLM2 (default); 'tiny'")
@@ -83,7 +376,9 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per mode")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--passes", type=int, default=2, help="1: modes in order; 2: then in reverse")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument(
+        "--modes", default=None, help=f"default {','.join(MODES)}; with --epoch {','.join(EPOCH_MODES)}"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     ap.add_argument("--learning", action="store_true", help="run the learning comparison instead")
     ap.add_argument("--seeds", type=int, default=3, help="--learning: seeds")
@@ -95,8 +390,32 @@ def w1(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     ap.add_argument("--recipe", action="store_true", help="run the default recipe's job instead")
     ap.add_argument("--recipe-modes", default=",".join(RECIPE_MODES), help="--recipe: set-ups")
     ap.add_argument("--recipe-args", default="", help="--recipe: overrides for every run (space-separated)")
+    ap.add_argument("--epoch", type=int, default=0, help="K > 0: time one epoch of K fixed prompts per mode")
+    ap.add_argument("--layout", default="ray", choices=["ray", "process"], help="--epoch: sync and async on")
+    ap.add_argument("--seed", type=int, default=0, help="--epoch: seed")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
+    if args.epoch:
+        modes = EPOCH_MODES if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+        try:
+            spec = EpochSpec(
+                args.epoch,
+                list(modes),
+                args.layout,
+                args.model,
+                args.engine,
+                args.prompts,
+                args.n,
+                f"lognormal:{args.median}:{args.sigma}",
+                args.cap,
+                seed=args.seed,
+                threads=args.threads,
+            )
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        return run_epoch(spec)
+    if args.modes is None:
+        args.modes = ",".join(MODES)
     if args.learning:
         return learning(args.seeds, args.async_config.split())
     if args.recipe:

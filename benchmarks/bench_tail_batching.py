@@ -19,6 +19,12 @@ rows of one run only. The measured table: docs/scheduling.md.
 
 ``--model default`` is SmolLM2-135M-Instruct (cap 512 by default); ``--model tiny`` the tiny
 Qwen2 of the tests (cap 64 by default).
+
+``--epoch K`` times one epoch of ``K`` fixed prompts instead, sync and tail batching in this
+process, with trained tokens per second as the headline (``run_epoch`` of bench_async.py, which
+also runs async on Ray; the accounting is described there):
+
+    python benchmarks/bench_tail_batching.py --epoch 32 --prompts 4 --n 4 --micro-batch 8
 """
 
 from __future__ import annotations
@@ -120,6 +126,33 @@ def run_mode(mode: str, args: argparse.Namespace, model, tok) -> dict[str, objec
     }
 
 
+def run_epoch(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """``--epoch``: sync and tail batching over one epoch of ``args.epoch`` fixed prompts."""
+    spec_ = importlib.util.spec_from_file_location("_bench_async", Path(__file__).with_name("bench_async.py"))
+    ba = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(ba)  # type: ignore[union-attr]
+    try:
+        spec = ba.EpochSpec(
+            args.epoch,
+            ["sync", "tail batching"],
+            "process",
+            "tiny" if args.model == "tiny" else "",
+            args.engine,
+            args.prompts,
+            args.n,
+            args.length_dist,
+            args.cap,
+            args.micro_batch,
+            args.eta_prompts,
+            args.eta_responses,
+            args.seed,
+            args.threads,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return ba.run_epoch(spec)
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", choices=("default", "tiny"))
@@ -142,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM on GPUs")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epoch", type=int, default=0, help="K > 0: time one epoch of K fixed prompts per mode")
     args = ap.parse_args(argv)
     if args.engine == "auto":
         args.engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
@@ -153,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
+    if args.epoch:
+        return run_epoch(args)
 
     from trainers.config import load_config
     from trainers.engines.build import build_model
