@@ -1,6 +1,6 @@
 """Benchmark: the training-inference mismatch and its correction (``algorithm.correction``).
 
-Two experiments, each over ``--seeds`` seeds, each printing one markdown table (mean ± sd):
+Three experiments, each over ``--seeds`` seeds, each printing one markdown table (mean ± sd):
 
 ``tiny``
     Injected mismatch on the tiny Qwen2 after its supervised warm-up on 1-digit addition (the
@@ -9,6 +9,15 @@ Two experiments, each over ``--seeds`` seeds, each printing one markdown table (
     and plain PPO, without correction and with each correction mode (:data:`TINY_MODES`).
     Columns: held-out and trained-prompt greedy accuracy before / after, the step means of
     ``mismatch/k3``, ``correction/masked_token_frac`` and ``staleness/mean``.
+``temperature``
+    Injected mismatch of another kind, same tiny set-up and warm-up: the synchronous trainer (no
+    staleness) whose rollout engine samples at ``rollout.engine_temperature`` (``--engine-temperature``)
+    while the trainer's log-probs use ``rollout.temperature=1.0``. Rows: a matched baseline (no
+    injection), the injected run without correction (the PPO ratio against the trainer's
+    recomputation, and the sync default: against the engine's log-probs) and with each
+    correction mode of ``tiny`` (:func:`temperature_modes`). Columns: greedy accuracy before /
+    after, the sampled reward of the last steps, the step means of ``mismatch/*`` and
+    ``correction/*``.
 ``vllm``
     A real mismatch: the default recipe's job (``recipes/rlvr_qwen.py``, SmolLM2-135M) with the
     vLLM CPU build sampling in bfloat16 and the torch train engine in float32, without and
@@ -16,8 +25,10 @@ Two experiments, each over ``--seeds`` seeds, each printing one markdown table (
     accuracy before / after, the step means of ``mismatch/*`` and ``correction/*``, wall time.
 
     python benchmarks/bench_correction.py --experiment tiny            # 5 modes x 3 seeds
+    python benchmarks/bench_correction.py --experiment temperature     # 7 rows x 3 seeds
     python benchmarks/bench_correction.py --experiment vllm --vllm-steps 10
     python benchmarks/bench_correction.py --smoke                      # seconds: tiny, 1 seed, 2 steps
+    python benchmarks/bench_correction.py --smoke --experiment temperature
 
 Results are printed, not asserted; the measured tables: docs/correction.md ("Measured").
 """
@@ -69,6 +80,28 @@ TINY_MODES: dict[str, list[str]] = {
         "algorithm.correction.mask_high=2",
     ],
 }
+#: the injected temperature of ``--experiment temperature`` (chosen once, from one exploratory
+#: run on seed 0: docs/correction.md, "Injected mismatch: a rollout temperature ...")
+ENGINE_TEMPERATURE = 2.0
+
+
+def temperature_modes(engine_temperature: float) -> dict[str, list[str]]:
+    """The rows of ``--experiment temperature``: config overrides over the synchronous tiny run.
+    Every row but ``matched (no injection)`` samples at ``engine_temperature`` (the trainer stays at 1.0)."""
+    inj = ["asynchronous.enabled=false", f"rollout.engine_temperature={engine_temperature:g}"]
+    rows = {
+        "matched (no injection)": ["asynchronous.enabled=false"],
+        "off (ratio vs recomputed old)": [*inj, "algorithm.correction.recompute_old=true"],
+        "off (ratio vs engine; sync default)": inj,
+    }
+    for name, extra in TINY_MODES.items():
+        if name not in ("sync reference", "off"):
+            rows[name] = [*inj, *extra]
+    return rows
+
+
+#: the row names of ``--experiment temperature``
+TEMPERATURE_ROWS = tuple(temperature_modes(ENGINE_TEMPERATURE))
 #: the tiny task: the learning tests' settings (lr 2e-4, 60 steps, 8 prompts x 8 samples)
 TINY_RL = [
     "--model",
@@ -151,7 +184,12 @@ def tiny_run(tok, state: dict, seed: int, extra: list[str]) -> dict[str, float]:
         "train_before": train_before,
         "train_after": train_after,
         "k3": step_mean(h, "mismatch/k3"),
+        "ess": step_mean(h, "mismatch/ess_frac"),
+        "out_0.5_2": step_mean(h, "mismatch/ratio_out_0.5_2"),
         "masked": step_mean(h, "correction/masked_token_frac"),
+        "truncated": step_mean(h, "correction/truncated_frac"),
+        "clip": step_mean(h, "loss/clip_frac"),
+        "reward_last": step_mean(h[-10:], "reward/mean"),
         "stale": step_mean(h, "staleness/mean"),
         "wall": wall,
     }
@@ -192,6 +230,65 @@ def tiny(seeds: int, steps: int, warmup: int, ratio: float, modes: list[str]) ->
         stale = statistics.mean(r["stale"] for r in rs)
         wall = statistics.mean(r["wall"] for r in rs)
         print(f"| {m} | {' | '.join(cols)} | {k3:.4f} | {masked_s} | {stale:.2f} | {wall:.0f} |")
+    return res
+
+
+def _frac(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.3f}"  # nan: the metric is not logged (no correction)
+
+
+def temperature(
+    seeds: int, steps: int, warmup: int, engine_temperature: float, rows_named: list[str] | None = None
+) -> dict:
+    """``--experiment temperature`` (module docstring): the rows of :func:`temperature_modes`
+    (``rows_named``: a subset, by name) over ``seeds`` seeds, the same warm weights for every row
+    of a seed."""
+    tok = char_tokenizer()
+    rows = temperature_modes(engine_temperature)
+    if rows_named is not None:
+        rows = {k: rows[k] for k in rows_named}
+    res: dict[str, list[dict]] = {m: [] for m in rows}
+    print(
+        f"Injected temperature mismatch: tiny Qwen2, 1-digit addition, {warmup} supervised warm-up steps, "
+        f"then {steps} RL steps x 64 samples, SyncTrainer, plain PPO, float32; the engine samples at "
+        f"{engine_temperature:g}, the trainer's log-probs at 1.0; seeds 0-{seeds - 1}; "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    for seed in range(seeds):
+        state = warm_state(tok, seed, warmup)
+        for m, extra in rows.items():
+            r = tiny_run(tok, state, seed, [f"train.steps={steps}", *extra])
+            res[m].append(r)
+            print(
+                f"  seed {seed} {m:<36} held out {r['before']:.3f} -> {r['after']:.3f}, trained "
+                f"{r['train_before']:.3f} -> {r['train_after']:.3f}, reward (last 10) {r['reward_last']:.3f}, "
+                f"k3 {r['k3']:.4f}, clip {r['clip']:.3f}, masked {_frac(r['masked'])}, {r['wall']:.0f} s",
+                flush=True,
+            )
+    print(f"\nwall time: {time.perf_counter() - t0:.0f} s\n")
+    print(
+        "| run | held-out before | held-out after | trained before | trained after | reward, last 10 steps | "
+        "mismatch/k3 | ess_frac | ratio_out_0.5_2 | loss/clip_frac | truncated_frac | masked_token_frac | s/run |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for m, rs in res.items():
+        cols = [
+            mean_sd([r[k] for r in rs])
+            for k in ("before", "after", "train_before", "train_after", "reward_last")
+        ]
+        avg = {
+            k: statistics.mean(r[k] for r in rs)
+            for k in ("k3", "ess", "out_0.5_2", "clip", "truncated", "masked", "wall")
+        }
+        print(
+            f"| {m} | {' | '.join(cols)} | {avg['k3']:.4f} | {avg['ess']:.3f} | {avg['out_0.5_2']:.3f} | "
+            f"{avg['clip']:.3f} | {_frac(avg['truncated'])} | {_frac(avg['masked'])} | {avg['wall']:.0f} |"
+        )
+    print("\nheld-out after, per seed:")
+    for m, rs in res.items():
+        print(f"  {m}: " + " / ".join(f"{r['after']:.3f}" for r in rs))
     return res
 
 
@@ -272,12 +369,19 @@ def vllm(seeds: int, steps: int, modes: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experiment", default="both", choices=["tiny", "vllm", "both"])
+    ap.add_argument("--experiment", default="both", choices=["tiny", "temperature", "vllm", "both"])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60, help="tiny: RL steps")
     ap.add_argument("--warmup", type=int, default=100, help="tiny: supervised warm-up steps")
     ap.add_argument("--ratio", type=float, default=4.0, help="tiny: asynchronous.ratio")
     ap.add_argument("--modes", default=",".join(TINY_MODES), help="tiny: correction modes")
+    ap.add_argument(
+        "--engine-temperature",
+        type=float,
+        default=ENGINE_TEMPERATURE,
+        help="temperature: the rollout engine's sampling temperature (the trainer's is 1.0)",
+    )
+    ap.add_argument("--rows", default=",".join(TEMPERATURE_ROWS), help="temperature: rows, by name")
     ap.add_argument("--vllm-steps", type=int, default=20, help="vllm: train.steps of every run")
     ap.add_argument("--vllm-modes", default=",".join(VLLM_MODES))
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -292,9 +396,19 @@ def main(argv: list[str] | None = None) -> dict:
     for m in vmodes:
         if m not in VLLM_MODES:
             raise SystemExit(f"--vllm-modes: unknown mode {m!r}; known: {', '.join(VLLM_MODES)}")
+    rows = [m.strip() for m in args.rows.split(",") if m.strip()]
+    for m in rows:
+        if m not in TEMPERATURE_ROWS:
+            raise SystemExit(f"--rows: unknown row {m!r}; known: {', '.join(TEMPERATURE_ROWS)}")
+    if not args.engine_temperature > 0:
+        raise SystemExit(f"--engine-temperature: expected a number > 0, got {args.engine_temperature!r}")
+    if args.smoke and args.experiment == "temperature":
+        return {"temperature": temperature(1, 2, 5, args.engine_temperature, list(TEMPERATURE_ROWS[:2]))}
     if args.smoke:
         return {"tiny": tiny(1, 2, 5, args.ratio, ["off", "token"])}
     out = {}
+    if args.experiment == "temperature":
+        out["temperature"] = temperature(args.seeds, args.steps, args.warmup, args.engine_temperature, rows)
     if args.experiment in ("tiny", "both"):
         out["tiny"] = tiny(args.seeds, args.steps, args.warmup, args.ratio, modes)
     if args.experiment in ("vllm", "both"):
