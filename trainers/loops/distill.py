@@ -6,7 +6,11 @@ roles, the prompts, the :class:`~trainers.loops.collect.GroupCollector`, the eva
 the fit driver). Each step::
 
     collect (the student's rollout engine, scored by the verifier for the metrics) -> pack ->
-    teacher log-probs of the sampled tokens (in process, no gradient) -> update -> push weights
+    teacher log-probs of the sampled tokens (no gradient) -> update -> push weights
+
+The teacher runs in this process (``distill.teacher_placement="process"``) or in a Ray actor
+of its own (``"ray"``: :func:`trainers.ray.build_ray_teacher`, every call with the deadline
+``ray.timeout_s``), beside student roles in process or on Ray.
 
 ``distill.mode="loss"`` (default): one optimizer step of :func:`rollkit.losses.on_policy_distill`
 (``A_t = coef * (log pi_teacher - log pi_student)``, the per-token reverse KL's score-function
@@ -14,7 +18,8 @@ gradient, Thinking Machines' "On-Policy Distillation" 2025) with the global norm
 batch; nothing else is in the loss. ``distill.mode="rl"``: the advantages are
 :func:`rollkit.losses.distill_token_rewards` of the rollout's log-probs (plus
 ``distill.task_coef`` times the task advantages of ``algorithm.advantage``), trained with the
-configured policy loss through the learner's PPO update (also on Ray). Guide: ``docs/offline.md``.
+configured policy loss through the learner's PPO update (also on Ray). Guides: ``docs/offline.md``,
+``docs/distillation.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +39,7 @@ from rollkit.registry import ADVANTAGE_ESTIMATORS
 from trainers.config import Config, LoggingConfig, validate
 from trainers.data import Prompt
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
-from trainers.engines.build import build_model, parse_dtype, train_autocast
-from trainers.engines.torch_train import TorchTrainEngine
+from trainers.engines.build import build_model, parse_dtype
 from trainers.learner import supervised_warmup
 from trainers.loops.collect import Group, GroupCollector
 from trainers.loops.common import (
@@ -48,9 +52,12 @@ from trainers.loops.common import (
 )
 from trainers.loops.parts import attach, build_parts
 from trainers.loops.sync import greedy_accuracy
+from trainers.models import is_hub_id
+from trainers.ray import RayTeacher, build_ray_teacher, teacher_engine
 
 __all__ = [
     "DISTILL_MODES",
+    "TEACHER_PLACEMENTS",
     "DistillConfig",
     "DistillSettings",
     "DistillTrainer",
@@ -60,6 +67,8 @@ __all__ = [
 
 #: ``distill.mode`` choices
 DISTILL_MODES = ("loss", "rl")
+#: ``distill.teacher_placement`` choices
+TEACHER_PLACEMENTS = ("process", "ray")
 
 
 @dataclass
@@ -71,6 +80,12 @@ class DistillSettings:
     teacher_tiny_seed: int = 0  # teacher="tiny": its initial weights' seed
     teacher_warmup_steps: int = 0  # supervised steps of the teacher on the train prompts before distilling
     teacher_warmup_lr: float = 3e-3
+    teacher_placement: str = (
+        "process"  # "process": in this process; "ray": a Ray actor (docs/distillation.md)
+    )
+    teacher_chunk_tokens: int = 0  # > 0: memory-lean teacher log-probs, this many positions per chunk
+    teacher_cpus: float = 1.0  # teacher_placement=ray: CPUs of the teacher's bundle
+    teacher_gpus: float | None = None  # teacher_placement=ray: its GPUs (None: 1 if the cluster has GPUs)
     mode: str = "loss"  # "loss": on_policy_distill; "rl": distill_token_rewards as advantages, PPO update
     coef: float = 1.0  # the reverse-KL coefficient
     task_coef: float = 0.0  # mode="rl": + task_coef x the verifier's advantages (algorithm.advantage)
@@ -101,43 +116,75 @@ def validate_distill(cfg: DistillConfig) -> None:
         raise ValueError(f"distill.teacher_warmup_steps must be >= 0, got {d.teacher_warmup_steps}")
     if d.teacher_dtype:
         parse_dtype(d.teacher_dtype, "distill.teacher_dtype")
+    if d.teacher_placement not in TEACHER_PLACEMENTS:
+        raise ValueError(
+            f"distill.teacher_placement must be one of {', '.join(TEACHER_PLACEMENTS)}, got {d.teacher_placement!r}"
+        )
+    c = d.teacher_chunk_tokens
+    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+        raise ValueError(f"distill.teacher_chunk_tokens must be an int >= 0, got {c!r}")
+    if not d.teacher_cpus > 0:
+        raise ValueError(f"distill.teacher_cpus must be > 0, got {d.teacher_cpus}")
+    if d.teacher_gpus is not None and d.teacher_gpus < 0:
+        raise ValueError(f"distill.teacher_gpus must be >= 0 or null, got {d.teacher_gpus}")
     if d.task_coef and d.mode != "rl":
         raise ValueError(f"distill.task_coef={d.task_coef}: task advantages need distill.mode=rl")
 
 
-def _check_vocab(teacher_tok: Any, tokenizer: Any, where: str) -> None:
-    get_t, get_s = getattr(teacher_tok, "get_vocab", None), getattr(tokenizer, "get_vocab", None)
-    if callable(get_t) and callable(get_s) and get_t() != get_s():
+def _check_vocab(teacher_vocab: dict[str, int] | None, tokenizer: Any, where: str) -> None:
+    get_s = getattr(tokenizer, "get_vocab", None)
+    if teacher_vocab is not None and callable(get_s) and teacher_vocab != get_s():
         raise ValueError(
             f"distill.teacher: {where}'s tokenizer differs from the student's (the teacher scores the "
             "student's token ids: use a teacher of the same tokenizer)"
         )
 
 
+def _vocab(tok: Any) -> dict[str, int] | None:
+    get = getattr(tok, "get_vocab", None)
+    return get() if callable(get) else None
+
+
+def teacher_config(cfg: DistillConfig) -> DistillConfig:
+    """A copy of ``cfg`` whose ``model`` section is the teacher's (``distill.teacher``,
+    ``distill.teacher_tiny_seed``, ``distill.teacher_dtype`` or ``model.dtype``)."""
+    d, tcfg = cfg.distill, copy.deepcopy(cfg)
+    tcfg.model.path, tcfg.model.tiny_seed = d.teacher, d.teacher_tiny_seed
+    tcfg.model.dtype = d.teacher_dtype or cfg.model.dtype
+    return tcfg
+
+
+def _load_teacher(tcfg: DistillConfig, tokenizer: Any) -> Any:
+    """The teacher model of ``tcfg.model``, its tokenizer checked against the student's."""
+    where = tcfg.model.path or "the embedded default"
+    try:
+        teacher, teacher_tok = build_model(tcfg)
+    except ValueError as e:
+        raise ValueError(f"distill.teacher: {e}") from None
+    _check_vocab(_vocab(teacher_tok), tokenizer, where)
+    return teacher
+
+
 def build_teacher(cfg: DistillConfig, tokenizer: Any, prompts: list[Prompt], teacher: Any = None) -> Any:
     """The frozen teacher engine: ``teacher`` as given when it has ``logprobs`` /
     ``batch_logprobs``; else a :class:`~trainers.engines.torch_train.TorchTrainEngine` over
     ``teacher`` (a model) or over ``distill.teacher`` loaded with :func:`build_model`, warmed up
-    with ``distill.teacher_warmup_steps`` supervised steps on ``prompts``, then frozen."""
+    with ``distill.teacher_warmup_steps`` supervised steps on ``prompts``, then frozen.
+
+    ``distill.teacher_placement="ray"``: the same engine in a Ray actor, behind a
+    :class:`~trainers.ray.RayTeacher` (close it when done; :class:`DistillTrainer` does). The
+    actor loads ``distill.teacher`` itself, unless a model is given or warmed up here first
+    (then it is shipped through the object store).
+    """
     if teacher is not None and (hasattr(teacher, "logprobs") or hasattr(teacher, "batch_logprobs")):
         return teacher
-    d, dev = cfg.distill, cfg.train.device
-    tcfg = copy.deepcopy(cfg)
-    tcfg.model.dtype = d.teacher_dtype or cfg.model.dtype
+    d, tcfg = cfg.distill, teacher_config(cfg)
+    if d.teacher_placement == "ray" and teacher is None and not d.teacher_warmup_steps:
+        return _ray_teacher(tcfg, tokenizer)
     if teacher is None:
-        tcfg.model.path, tcfg.model.tiny_seed = d.teacher, d.teacher_tiny_seed
-        try:
-            teacher, teacher_tok = build_model(tcfg)
-        except ValueError as e:
-            raise ValueError(f"distill.teacher: {e}") from None
-        _check_vocab(teacher_tok, tokenizer, d.teacher or "the embedded default")
-    eng = TorchTrainEngine(
-        teacher,
-        lr=d.teacher_warmup_lr,
-        dtype=parse_dtype(tcfg.model.dtype),
-        device=dev,
-        autocast=train_autocast(tcfg, dev),
-    )
+        teacher = _load_teacher(tcfg, tokenizer)
+    dev = cfg.train.device
+    eng = teacher_engine(tcfg, teacher, dev, chunk_tokens=d.teacher_chunk_tokens, lr=d.teacher_warmup_lr)
     if d.teacher_warmup_steps:
         supervised_warmup(
             eng,
@@ -149,7 +196,33 @@ def build_teacher(cfg: DistillConfig, tokenizer: Any, prompts: list[Prompt], tea
             chat_template=cfg.data.chat_template,
         )
     eng.model.eval().requires_grad_(False)  # frozen in place (no second copy of a large teacher)
+    if d.teacher_placement == "ray":
+        return _ray_teacher(tcfg, tokenizer, model=eng.model.cpu())
     return eng
+
+
+def _ray_teacher(tcfg: DistillConfig, tokenizer: Any, model: Any = None) -> RayTeacher:
+    """The teacher in a Ray actor: ``model`` shipped, or ``tcfg.model`` loaded by the actor
+    (its path checked here first, for a one-line error)."""
+    d, path = tcfg.distill, tcfg.model.path
+    if model is None and path not in ("", "tiny") and not Path(path).exists() and not is_hub_id(path):
+        raise ValueError(
+            f"distill.teacher: model.path: {path} does not exist (give a local HF checkpoint directory or a hub name)"
+        )
+    rt = build_ray_teacher(
+        tcfg,
+        model=model,
+        tokenizer=tokenizer if model is not None else None,
+        chunk_tokens=d.teacher_chunk_tokens,
+        cpus=d.teacher_cpus,
+        gpus=d.teacher_gpus,
+    )
+    try:
+        _check_vocab(rt.vocab(), tokenizer, path or "the embedded default")
+    except BaseException:
+        rt.close()
+        raise
+    return rt
 
 
 class DistillTrainer:
@@ -202,6 +275,8 @@ class DistillTrainer:
                 cfg, self.rollout, self.rewards, self.codec, self.iterator, self.maker
             )
             self.teacher = build_teacher(cfg, self.tok, self.train_prompts, teacher)
+            if isinstance(self.teacher, RayTeacher) and self.teacher is not teacher:
+                self.roles.owned.append(self.teacher)  # stopped with the roles
         except BaseException:
             self.roles.close()
             raise
@@ -235,15 +310,16 @@ class DistillTrainer:
     def distill_update(self, batch: PackedBatch, timer: Timer) -> dict[str, float]:
         """One optimizer step of :func:`~rollkit.losses.on_policy_distill` over micro-batches of
         ``train.micro_batch_size`` rows, aggregated (``algorithm.aggregation``) with the global
-        normalisers of the batch; the teacher scores each micro-batch (no gradient)."""
+        normalisers of the batch; the teacher scores the batch first (no gradient; one call to a
+        Ray teacher)."""
         mask, kw, d = batch.response_mask, self._sampling(), self.cfg.distill
         norms = global_normalizers(mask)
         sums: dict[str, float] = defaultdict(float)
         mbs, n_tok = self.cfg.train.micro_batch_size, max(int(mask.sum()), 1)
+        with timer("teacher"):  # its logprobs, or batch_logprobs (the Ray teacher)
+            teacher_lp = batch_logprobs(self.teacher, batch, micro_batch_size=mbs, **kw)
         for i in range(0, mask.shape[0], mbs):
-            mb = batch[i : i + mbs]
-            with timer("teacher"):  # its logprobs, or batch_logprobs (a Ray reference-style actor)
-                t_lp = batch_logprobs(self.teacher, mb, micro_batch_size=mbs, **kw)
+            mb, t_lp = batch[i : i + mbs], teacher_lp[i : i + mbs]
             lp = self.engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw)
             out = on_policy_distill(lp, t_lp, mb.response_mask, coef=d.coef)
             loss = aggregate(out.loss, mb.response_mask, self.cfg.algorithm.aggregation, **norms)

@@ -1,20 +1,26 @@
 """Ray roles for the reference trainers: placement groups (:mod:`trainers.ray.placement`) and
-the rollout / train / reference actors with the proxies the trainer talks to
+the rollout / train / reference / teacher actors with the proxies the trainer talks to
 (:mod:`trainers.ray.workers`). See docs/distributed.md. ``ray`` is imported when used."""
 
-from trainers.ray.placement import ActorSlot, BundlePlan, Placement, plan_bundles
+from trainers.ray.placement import ActorSlot, BundlePlan, Placement, plan_bundles, plan_teacher
 from trainers.ray.workers import (
     ActorCallError,
     RayReference,
     RayRequestEngine,
     RayRoles,
     RayRolloutGroup,
+    RayTeacher,
     RayTrainGroup,
     ReferenceWorker,
     RolloutWorker,
+    TeacherWorker,
     TrainWorker,
+    batch_topk_logprobs,
     build_ray_roles,
+    build_ray_teacher,
     init_ray,
+    response_topk_logprobs,
+    teacher_engine,
 )
 
 __all__ = [
@@ -26,11 +32,18 @@ __all__ = [
     "RayRequestEngine",
     "RayRoles",
     "RayRolloutGroup",
+    "RayTeacher",
     "RayTrainGroup",
     "ReferenceWorker",
     "RolloutWorker",
+    "TeacherWorker",
     "TrainWorker",
+    "batch_topk_logprobs",
     "build_ray_roles",
+    "build_ray_teacher",
     "init_ray",
     "plan_bundles",
+    "plan_teacher",
+    "response_topk_logprobs",
+    "teacher_engine",
 ]

@@ -22,6 +22,9 @@ Two mappings (``placement.mode``):
 On a CPU machine the bundles are CPUs only; ``gpus_per_worker=None`` asks for one GPU per
 bundle when the cluster has GPUs.
 
+A distillation teacher on Ray gets a placement group of its own (:func:`plan_teacher`: one
+bundle, one actor), so it can sit beside roles that run in process or on Ray alike.
+
 >>> plan = plan_bundles("colocated", rollout_workers=2, train_workers=2, cpus=1.0, gpus=0.0)
 >>> plan.bundles, [(a.role, a.bundle, a.num_cpus) for a in plan.actors][:3]
 ([{'CPU': 1.0}, {'CPU': 1.0}], [('train', 0, 0.5), ('train', 1, 0.5), ('rollout', 0, 0.5)])
@@ -35,11 +38,11 @@ from typing import Any
 
 from trainers.deps import require
 
-__all__ = ["ActorSlot", "BundlePlan", "Placement", "plan_bundles"]
+__all__ = ["ActorSlot", "BundlePlan", "Placement", "plan_bundles", "plan_teacher"]
 
 MODES = ("colocated", "disaggregated")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-ROLES = ("train", "rollout", "reference")
+ROLES = ("train", "rollout", "reference", "teacher")
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,30 @@ def plan_bundles(
         for role, idx, b in slots
     ]
     return BundlePlan(bundles, strategy, actors)
+
+
+def plan_teacher(
+    *, cpus: float, gpus: float, resources: dict[str, float] | None = None, strategy: str = "PACK"
+) -> BundlePlan:
+    """One bundle ``{"CPU": cpus, "GPU": gpus, **resources}`` holding the teacher actor, which
+    takes the whole bundle (pure: no Ray call).
+
+    >>> plan = plan_teacher(cpus=2.0, gpus=0.0)
+    >>> plan.bundles, plan.slots("teacher")
+    ([{'CPU': 2.0}], [ActorSlot(role='teacher', index=0, bundle=0, num_cpus=2.0, num_gpus=0.0)])
+    """
+    if not cpus > 0:
+        raise ValueError(f"distill.teacher_cpus must be > 0, got {cpus}")
+    if gpus < 0:
+        raise ValueError(f"distill.teacher_gpus must be >= 0, got {gpus}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"placement.strategy must be one of {STRATEGIES}, got {strategy!r}")
+    bundle = {"CPU": float(cpus)}
+    if gpus:
+        bundle["GPU"] = float(gpus)
+    bundle.update({k: float(v) for k, v in (resources or {}).items()})
+    slot = ActorSlot("teacher", 0, 0, _share(float(cpus), 1), _share(float(gpus), 1) if gpus else 0.0)
+    return BundlePlan([bundle], strategy, [slot])
 
 
 class Placement:

@@ -13,6 +13,10 @@ Actors (one process each, placed by :mod:`trainers.ray.placement`):
   ``train.zero_stage``) and :func:`~trainers.learner.ppo_update` on its share of every
   mini-batch.
 * :class:`ReferenceWorker`: the frozen initial policy (log-probs for the KL term).
+* :class:`TeacherWorker`: a frozen distillation teacher (any HF model path): sampled-token
+  log-probs (its engine's ``logprobs``, memory-lean with ``chunk_tokens > 0``) and top-k
+  log-probs (:func:`response_topk_logprobs`, chunked over the LM head); placed in a placement
+  group of its own (:func:`build_ray_teacher`).
 
 Proxies (what the trainer holds; same interfaces as the in-process engines):
 
@@ -27,6 +31,8 @@ Proxies (what the trainer holds; same interfaces as the in-process engines):
   that ZeRO-3 needs, and return nothing); ``batch_logprobs`` the current policy's log-probs
   (the asynchronous trainer's proximal recompute).
 * :class:`RayReference`: ``batch_logprobs``.
+* :class:`RayTeacher`: ``batch_logprobs`` and ``batch_topk_logprobs``; ``close()`` kills the
+  actor and frees its placement group.
 * :class:`RayRequestEngine`: one rollout actor driven request by request (the
   :class:`~trainers.engines.requests.RequestEngine` protocol), for the asynchronous trainer.
 
@@ -54,24 +60,36 @@ import torch
 from trainers.config import Config
 from trainers.deps import require
 from trainers.engines.base import Generation, PackedBatch, SamplingParams, batch_logprobs
-from trainers.engines.build import build_model, make_rollout_engine, make_train_engine, parse_dtype
+from trainers.engines.build import (
+    build_model,
+    make_rollout_engine,
+    make_train_engine,
+    parse_dtype,
+    train_autocast,
+)
 from trainers.engines.requests import as_request_engine
-from trainers.engines.torch_train import TorchTrainEngine
+from trainers.engines.torch_train import TorchTrainEngine, response_hidden
 from trainers.learner import UpdateSpec, UpdateStats, ppo_update
 from trainers.models import char_tokenizer, default_model_path
-from trainers.ray.placement import Placement, plan_bundles
+from trainers.ray.placement import Placement, plan_bundles, plan_teacher
 
 __all__ = [
     "RayReference",
     "RayRequestEngine",
     "RayRoles",
     "RayRolloutGroup",
+    "RayTeacher",
     "RayTrainGroup",
     "ReferenceWorker",
     "RolloutWorker",
+    "TeacherWorker",
     "TrainWorker",
+    "batch_topk_logprobs",
     "build_ray_roles",
+    "build_ray_teacher",
     "init_ray",
+    "response_topk_logprobs",
+    "teacher_engine",
 ]
 
 #: requests in flight per rollout actor (one running, one queued behind it)
@@ -324,6 +342,155 @@ class ReferenceWorker:
             top_k=top_k,
             top_p=top_p,
         )
+
+    def node_id(self) -> str:
+        return _node_id()
+
+
+# --------------------------------------------------------------------------- teacher
+
+
+def teacher_engine(
+    cfg: Config, model: Any, device: str, *, chunk_tokens: int = 0, lr: float = 1e-5
+) -> TorchTrainEngine:
+    """A :class:`~trainers.engines.torch_train.TorchTrainEngine` over a teacher ``model`` in
+    ``cfg.model.dtype`` with ``cfg.train.autocast`` (resolved for ``device``), memory-lean
+    log-probs with ``chunk_tokens > 0``. Trainable (a warm-up may train it; a frozen model is
+    unfrozen first, the optimizer needs parameters); the caller freezes it."""
+    return TorchTrainEngine(
+        model.requires_grad_(True),
+        lr=lr,
+        dtype=parse_dtype(cfg.model.dtype),
+        device=device,
+        autocast=train_autocast(cfg, device),
+        logprob_chunk_tokens=chunk_tokens,
+    )
+
+
+@torch.no_grad()
+def response_topk_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,  # [B, L]
+    attention_mask: torch.Tensor,  # [B, L]
+    response_mask: torch.Tensor,  # [B, T]
+    *,
+    k: int,
+    temperature: float = 1.0,
+    chunk_tokens: int = 256,
+    autocast: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T, K] float32, [B, T, K] int64
+    """The top-``k`` tokens of ``model`` at each response position and their log-probs,
+    normalised over the full vocabulary (the teacher's side of
+    :func:`rollkit.losses.topk_forward_kl` / ``topk_reverse_kl`` / ``topk_jsd``)::
+
+        logprobs[b, t], ids[b, t] = topk(log_softmax(logits[b, L - T - 1 + t] / temperature), k)
+
+    Memory-lean: the decoder's final hidden states (:func:`~trainers.engines.torch_train.
+    response_hidden`) go through the LM head ``chunk_tokens`` positions at a time, so the
+    ``[B, T, V]`` logits never exist (peak ``O(chunk_tokens x V)``). Positions outside
+    ``response_mask`` hold log-prob 0 and id 0. Sorted by log-prob, largest first. The rollout's
+    top-k / top-p truncation is not applied (the teacher's full tempered distribution).
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    dev = torch.device(device)
+    B, T = response_mask.shape
+    with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        hidden, head = response_hidden(model, input_ids.to(dev), attention_mask.to(dev), T)
+        flat = hidden.reshape(B * T, -1)
+        chunk = chunk_tokens if chunk_tokens > 0 else 256
+        lps, ids = [], []
+        for s in range(0, flat.shape[0], chunk):
+            z = head(flat[s : s + chunk]).float()
+            if k > z.shape[-1]:
+                raise ValueError(f"k={k} exceeds the vocabulary size {z.shape[-1]}")
+            v, i = (z / temperature).log_softmax(-1).topk(k, dim=-1)
+            lps.append(v)
+            ids.append(i)
+    mask = response_mask.to(dev, dtype=torch.bool).unsqueeze(-1)
+    lp = torch.cat(lps).reshape(B, T, k).masked_fill(~mask, 0.0)
+    return lp, torch.cat(ids).reshape(B, T, k).masked_fill(~mask, 0)
+
+
+@torch.no_grad()
+def batch_topk_logprobs(
+    policy: Any, batch: PackedBatch, *, k: int, temperature: float, micro_batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, ids)``, each ``[B, T, K]``, of a packed batch under ``policy``: its own
+    ``batch_topk_logprobs`` when it has one (:class:`RayTeacher`), else
+    :func:`response_topk_logprobs` of its model (a TorchTrainEngine) over micro-batches."""
+    if hasattr(policy, "batch_topk_logprobs"):
+        return policy.batch_topk_logprobs(
+            batch, k=k, temperature=temperature, micro_batch_size=micro_batch_size
+        )
+    if not hasattr(policy, "model"):
+        raise ValueError(
+            f"teacher: {type(policy).__name__} offers no top-k log-probs (a TrainEngine with a "
+            "Hugging Face causal LM does)"
+        )
+    kw = {
+        "k": k,
+        "temperature": temperature,
+        "chunk_tokens": getattr(policy, "logprob_chunk_tokens", 0),
+        "autocast": getattr(policy, "autocast", None),
+        "device": getattr(policy, "device", "cpu"),
+    }
+    lps, ids = [], []
+    for i in range(0, batch.input_ids.shape[0], micro_batch_size):
+        mb = batch[i : i + micro_batch_size]
+        lp, ix = response_topk_logprobs(policy.model, mb.input_ids, mb.attention_mask, mb.response_mask, **kw)
+        lps.append(lp.cpu())
+        ids.append(ix.cpu())
+    return torch.cat(lps), torch.cat(ids)
+
+
+class TeacherWorker:
+    """A frozen distillation teacher: sampled-token and top-k log-probs without gradients.
+
+    ``cfg.model`` is the teacher's (path, dtype), ``model``: a model shipped instead (a warmed-up
+    one), ``chunk_tokens > 0``: the memory-lean log-prob path of the engine."""
+
+    def __init__(
+        self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int, chunk_tokens: int
+    ) -> None:
+        _setup_process(threads)
+        model, tokenizer = _model(cfg, model, tokenizer)
+        self.engine = teacher_engine(cfg, model, device, chunk_tokens=chunk_tokens)
+        self.engine.model.eval().requires_grad_(False)
+        get_vocab = getattr(tokenizer, "get_vocab", None)
+        self._vocab = get_vocab() if callable(get_vocab) else None
+
+    @torch.no_grad()
+    def batch_logprobs(
+        self,
+        batch: PackedBatch,
+        temperature: float,
+        micro_batch_size: int,
+        top_k: int = -1,
+        top_p: float = 1.0,
+    ) -> torch.Tensor:
+        return batch_logprobs(
+            self.engine,
+            batch,
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+            top_k=top_k,
+            top_p=top_p,
+        )
+
+    def batch_topk_logprobs(
+        self, batch: PackedBatch, k: int, temperature: float, micro_batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_topk_logprobs(
+            self.engine, batch, k=k, temperature=temperature, micro_batch_size=micro_batch_size
+        )
+
+    def vocab(self) -> dict[str, int] | None:
+        """The teacher tokenizer's vocabulary (the driver checks it against the student's)."""
+        return self._vocab
 
     def node_id(self) -> str:
         return _node_id()
@@ -599,6 +766,52 @@ class RayReference:
         return call(self.actor.node_id.remote(), "reference actor (node_id)", self.timeout_s)
 
 
+class RayTeacher:
+    """The teacher actor behind ``batch_logprobs`` / ``batch_topk_logprobs`` (every call with the
+    deadline ``timeout_s``); :meth:`close` kills it and frees its placement group."""
+
+    def __init__(
+        self, actor: Any, placement: Placement | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        self.actor, self.placement, self.timeout_s = actor, placement, timeout_s
+
+    def batch_logprobs(
+        self,
+        batch: PackedBatch,
+        *,
+        temperature: float,
+        micro_batch_size: int,
+        top_k: int = -1,
+        top_p: float = 1.0,
+    ) -> torch.Tensor:
+        ref = self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size, top_k, top_p)
+        return call(ref, "teacher actor (batch_logprobs)", self.timeout_s)
+
+    def batch_topk_logprobs(
+        self, batch: PackedBatch, *, k: int, temperature: float, micro_batch_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ref = self.actor.batch_topk_logprobs.remote(batch, k, temperature, micro_batch_size)
+        return call(ref, "teacher actor (batch_topk_logprobs)", self.timeout_s)
+
+    def vocab(self) -> dict[str, int] | None:
+        return call(self.actor.vocab.remote(), "teacher actor (vocab)", self.timeout_s)
+
+    def node_id(self) -> str:
+        return call(self.actor.node_id.remote(), "teacher actor (node_id)", self.timeout_s)
+
+    def close(self) -> None:
+        """Kill the actor (whatever its state) and free the placement group; idempotent."""
+        ray = _ray()
+        try:
+            if self.actor is not None:
+                ray.kill(self.actor, no_restart=True)
+                self.actor = None
+        finally:
+            if self.placement is not None:
+                self.placement.remove()
+                self.placement = None
+
+
 # --------------------------------------------------------------------------- assembly
 
 
@@ -708,3 +921,51 @@ def build_ray_roles(
         placement=placement,
         actors=actors,
     )
+
+
+def build_ray_teacher(
+    cfg: Config,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    chunk_tokens: int = 0,
+    cpus: float = 1.0,
+    gpus: float | None = None,
+    resources: dict[str, float] | None = None,
+) -> RayTeacher:
+    """Start a :class:`TeacherWorker` in a placement group of its own (:func:`~trainers.ray.
+    placement.plan_teacher`) and return its :class:`RayTeacher`.
+
+    ``cfg.model`` is the teacher (path, dtype; ``cfg.train.autocast``), built on the actor's
+    node; ``model`` (with ``tokenizer``): a teacher model shipped through the object store
+    instead. ``cpus`` / ``gpus`` / ``resources``: the bundle (``gpus=None``: 1 if the cluster
+    has GPUs, else 0). Starts Ray if needed (:func:`init_ray`); waits at most
+    ``cfg.ray.timeout_s`` for the actor to load.
+    """
+    ray = _ray()
+    if model is not None and tokenizer is None:
+        raise ValueError("tokenizer: required with model")
+    init_ray(cfg)
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    plan = plan_teacher(cpus=cpus, gpus=gpus, resources=resources)
+    slot = plan.slots("teacher")[0]
+    placement = Placement(plan)
+    actor = None
+    try:
+        model_ref = ray.put(model) if model is not None else None
+        threads = cfg.ray.torch_threads or max(1, int(slot.num_cpus))
+        device = "cuda" if slot.num_gpus > 0 else "cpu"
+        actor = (
+            ray.remote(TeacherWorker)
+            .options(**placement.options(slot))
+            .remote(cfg, model_ref, tokenizer, device, threads, chunk_tokens)
+        )
+        teacher = RayTeacher(actor, placement, timeout_s=cfg.ray.timeout_s)
+        call(actor.node_id.remote(), "teacher actor (start)", cfg.ray.timeout_s)  # constructor done
+    except BaseException:
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+        placement.remove()
+        raise
+    return teacher
