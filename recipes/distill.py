@@ -1,21 +1,32 @@
 """On-policy distillation: the student samples, a frozen teacher scores its tokens, the student
-minimises its reverse KL to the teacher (docs/offline.md).
+minimises its reverse KL to the teacher (docs/distillation.md, docs/offline.md).
 
-With no arguments: a random tiny Qwen2 student and a tiny teacher warmed up in process with 200
+With no arguments: the student is SmolLM2-135M-Instruct (the embedded default, the start of
+``recipes/rlvr_qwen.py``) and the teacher is the model that ``python recipes/rlvr_qwen.py``
+trains and saves (``runs/rlvr_qwen/model``, under the working directory), on 2-digit addition
+with that recipe's rollout (4 prompts x 8 samples, 12 new tokens, temperature 0.7), learning
+rate, 20 steps and held-out evaluation: the same budget as the RL run, from the same start
+(``benchmarks/bench_distill.py`` compares the two over seeds). Without that model it stops
+with a one-line error saying to run ``recipes/rlvr_qwen.py`` first or to pass ``--teacher DIR``.
+
+``--tiny``: a random tiny Qwen2 student and a tiny teacher warmed up in process with 200
 supervised steps on 1-digit addition (no checkpoint needed), 8 prompts x 4 samples of 4 tokens
 at temperature 1, 60 steps, on CPU in under a minute (measured: reverse KL 6.6 -> 3.4 in 80
-steps, 0.08 s per step on 2 cores). With a real teacher, give its checkpoint (same tokenizer
-as the student) and no warm-up:
+steps, 0.08 s per step on 2 cores).
 
-    python recipes/distill.py
-    python recipes/distill.py distill.mode=rl distill.task_coef=1.0   # + the verifier's advantages, PPO loss
-    python recipes/distill.py --model /ckpt/Qwen2.5-0.5B distill.teacher=/ckpt/Qwen2.5-7B \\
-        distill.teacher_warmup_steps=0 data.digits=2 rollout.max_tokens=12
-    python recipes/distill.py --help                                    # every field
+    python recipes/rlvr_qwen.py && python recipes/distill.py   # train the teacher, then distill it
+    python recipes/distill.py --teacher /ckpt/teacher            # any teacher of the student's tokenizer
+    python recipes/distill.py distill.teacher_placement=ray     # the teacher in a Ray actor
+    python recipes/distill.py --tiny                             # tiny models, no checkpoint, < 1 minute
+    python recipes/distill.py --tiny distill.mode=rl distill.task_coef=1.0   # + the verifier's advantages, PPO loss
+    python recipes/distill.py --model /ckpt/Qwen2.5-0.5B --teacher /ckpt/Qwen2.5-7B
+    python recipes/distill.py --help                             # every field
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -27,12 +38,37 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from trainers.config import load_config
+from trainers.config import Config, load_config
 from trainers.data import build_prompts
 from trainers.loops.distill import DistillConfig, DistillTrainer, validate_distill
+from trainers.models import is_hub_id
+
+
+def rlvr_defaults() -> Config:
+    """``recipes/rlvr_qwen.py``'s defaults (loaded from its file)."""
+    spec = importlib.util.spec_from_file_location("_rlvr_qwen", Path(__file__).with_name("rlvr_qwen.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod.recipe_defaults()
+
+
+#: where ``python recipes/rlvr_qwen.py`` saves its trained model: the default teacher
+RLVR_TEACHER = f"{rlvr_defaults().logging.dir}/model"
 
 
 def recipe_defaults() -> DistillConfig:
+    """The rlvr_qwen recipe's job (model, data, rollout, train, eval), its exported model as the teacher."""
+    rl, cfg = rlvr_defaults(), DistillConfig()
+    for f in dataclasses.fields(Config):
+        setattr(cfg, f.name, getattr(rl, f.name))
+    cfg.logging.dir = "runs/distill"
+    cfg.distill.teacher = RLVR_TEACHER
+    cfg.distill.teacher_warmup_steps = 0
+    return cfg
+
+
+def tiny_defaults() -> DistillConfig:
+    """``--tiny``: tiny Qwen2 student and teacher (warmed up in process), 1-digit addition."""
     cfg = DistillConfig()
     cfg.model.path = "tiny"
     cfg.data.digits = 1
@@ -52,6 +88,39 @@ def recipe_defaults() -> DistillConfig:
     return cfg
 
 
+def recipe_args(argv: list[str]) -> tuple[bool, list[str]]:
+    """``(tiny, config tokens)``: ``--tiny`` taken out, ``--teacher DIR`` turned into ``distill.teacher=DIR``."""
+    tiny, out, i = False, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--tiny":
+            tiny = True
+        elif a == "--teacher":
+            if i + 1 >= len(argv):
+                raise ValueError("--teacher: missing value (a model directory)")
+            out.append(f"distill.teacher={argv[i + 1]}")
+            i += 1
+        elif a.startswith("--teacher="):
+            out.append(f"distill.teacher={a.split('=', 1)[1]}")
+        else:
+            out.append(a)
+        i += 1
+    return tiny, out
+
+
+def check_teacher(cfg: DistillConfig) -> None:
+    """A teacher directory that does not exist: one line saying how to get one."""
+    t = cfg.distill.teacher
+    if t in ("", "tiny") or is_hub_id(t) or Path(t).exists():
+        return
+    if t == RLVR_TEACHER:
+        raise ValueError(
+            f"distill.teacher: {t} does not exist: train the teacher first with `python recipes/rlvr_qwen.py` "
+            "(it saves its model there), or give one with --teacher DIR"
+        )
+    raise ValueError(f"distill.teacher: {t} does not exist (give a model directory with --teacher DIR)")
+
+
 def _fail(e: BaseException) -> SystemExit:
     """A bad key, value, file or record: one line naming it, no traceback (ROLLKIT_DEBUG=1 shows it)."""
     if os.environ.get("ROLLKIT_DEBUG") == "1":
@@ -61,8 +130,10 @@ def _fail(e: BaseException) -> SystemExit:
 
 def main(argv: list[str] | None = None) -> dict:
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv, base=recipe_defaults())
+        tiny, args = recipe_args(sys.argv[1:] if argv is None else list(argv))
+        cfg = load_config(args, base=tiny_defaults() if tiny else recipe_defaults())
         validate_distill(cfg)
+        check_teacher(cfg)
         train_prompts, eval_prompts = build_prompts(cfg)  # every record checked before a model loads
     except (ValueError, ImportError) as e:
         raise _fail(e) from None
@@ -75,8 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     d = cfg.distill
     print(
         f"[distill] student {cfg.model.path or 'SmolLM2-135M-Instruct (embedded default)'}, teacher "
-        f"{d.teacher or 'SmolLM2-135M-Instruct'}{f' + {d.teacher_warmup_steps} SFT steps' if d.teacher_warmup_steps else ''}, "
-        f"mode {d.mode}, {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n} samples, {cfg.train.steps} steps; "
+        f"{d.teacher or 'SmolLM2-135M-Instruct'}{f' + {d.teacher_warmup_steps} SFT steps' if d.teacher_warmup_steps else ''}"
+        f"{' (Ray actor)' if d.teacher_placement == 'ray' else ''}, mode {d.mode}, "
+        f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n} samples, {cfg.train.steps} steps; "
         f"built in {time.perf_counter() - t0:.1f}s",
         flush=True,
     )

@@ -114,11 +114,36 @@ def test_bad_settings_are_one_line_errors():
         make("distill.task_coef=1")
     with pytest.raises(ValueError, match=r"^distill.teacher: model.path: /nonexistent does not exist"):
         make("distill.teacher=/nonexistent")
+    with pytest.raises(ValueError, match=r"^distill.teacher: model.path: /nonexistent does not exist"):
+        make("distill.teacher=/nonexistent", "distill.teacher_placement=ray")  # before Ray starts
+    with pytest.raises(
+        ValueError, match=r"^distill.teacher_placement must be one of process, ray, got 'gpu'$"
+    ):
+        make("distill.teacher_placement=gpu")
+    with pytest.raises(ValueError, match=r"^distill.teacher_chunk_tokens must be an int >= 0, got -1$"):
+        make("distill.teacher_chunk_tokens=-1")
+    with pytest.raises(ValueError, match=r"^distill.teacher_cpus must be > 0, got 0.0$"):
+        make("distill.teacher_cpus=0")
 
 
-def test_recipe_bad_input_is_one_line():
+def test_memory_lean_teacher_gives_the_same_step():
+    """distill.teacher_chunk_tokens=3 (the teacher's log-probs through the memory-lean path, 3
+    positions per chunk) takes the step of the plain teacher, up to float rounding."""
+    teacher = tiny_qwen2(char_tokenizer(), seed=1)
+    ms = [make(f"distill.teacher_chunk_tokens={c}", teacher=copy.deepcopy(teacher)).step() for c in (0, 3)]
+    for k in ("distill/reverse_kl", "loss/distill", "optim/grad_norm"):
+        assert abs(ms[0][k] - ms[1][k]) < 1e-5, (k, ms)
+
+
+def _recipe():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
     import distill
+
+    return distill
+
+
+def test_recipe_bad_input_is_one_line(tmp_path, monkeypatch):
+    distill = _recipe()
 
     with pytest.raises(SystemExit, match=r"^error: distill.mode must be one of loss, rl, got 'kd'$"):
         distill.main(["distill.mode=kd"])
@@ -126,3 +151,38 @@ def test_recipe_bad_input_is_one_line():
         SystemExit, match=r"^error: distill.teacher_dtype must be float32, bfloat16 or float16, got 'int8'$"
     ):
         distill.main(["distill.teacher_dtype=int8"])
+
+    with pytest.raises(SystemExit, match=r"^error: --teacher: missing value \(a model directory\)$"):
+        distill.main(["--teacher"])
+    # the default teacher is the model recipes/rlvr_qwen.py saves, under the working directory
+    monkeypatch.chdir(tmp_path)
+    assert distill.recipe_defaults().distill.teacher == "runs/rlvr_qwen/model"
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: distill.teacher: runs/rlvr_qwen/model does not exist: train the teacher first with "
+        r"`python recipes/rlvr_qwen.py` \(it saves its model there\), or give one with --teacher DIR$",
+    ):
+        distill.main([])
+    with pytest.raises(
+        SystemExit, match=rf"^error: distill.teacher: {tmp_path}/t does not exist \(give a model"
+    ):
+        distill.main(["--teacher", f"{tmp_path}/t"])
+
+
+def test_recipe_defaults_are_the_rlvr_job():
+    """The student, data, rollout, train and eval sections are rlvr_qwen's: the same budget."""
+    distill = _recipe()
+    cfg, rl = distill.recipe_defaults(), distill.rlvr_defaults()
+    for section in ("model", "data", "rollout", "train", "eval"):
+        assert getattr(cfg, section) == getattr(rl, section), section
+    assert cfg.model.path == "" and cfg.data.digits == 2 and cfg.distill.teacher_warmup_steps == 0
+
+
+def test_recipe_tiny_switch_runs(tmp_path, capsys):
+    distill = _recipe()
+    out = distill.main(
+        ["--tiny", "train.steps=2", "distill.teacher_warmup_steps=5", f"logging.dir={tmp_path}",
+         "logging.progress=false", "logging.tensorboard=false", "logging.plot=false", "eval.before=false"]
+    )  # fmt: skip
+    assert out["steps"] == 2 and (tmp_path / "model").is_dir()
+    assert "student tiny, teacher tiny + 5 SFT steps" in capsys.readouterr().out
