@@ -10,18 +10,20 @@ import json
 import math
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.sim.agentic import AgenticSetting, run_agentic
 from benchmarks.sim.clock import VirtualClock
-from benchmarks.sim.costs import CostModel, DecodeCost, Latency, TrainCost, gpu_model
+from benchmarks.sim.costs import CostModel, DecodeCost, Latency, TrainCost, cpu_train, gpu_model
 from benchmarks.sim.engine import RunList, SimEngine
 from benchmarks.sim.lengths import Lengths
 from benchmarks.sim.plan import main as plan_main
 from benchmarks.sim.run import Setting, run_queue, run_tail
-from trainers.engines.base import SamplingParams
+from trainers.engines.base import PackedBatch, SamplingParams
 from trainers.engines.requests import Request, RequestEngine
+from trainers.learner import UpdateSpec, micro_batches
 
 DECODE = DecodeCost(a=0.01, b=0.002, c=1e-5, p0=0.05, p1=1e-3)
 TRAIN = TrainCost(t0=0.5, per_token=1e-3, sync_s=0.25)
@@ -93,6 +95,60 @@ def test_tail_batching_trains_every_prompt_once_and_shortens_steps():
     assert tail.counts["long_rounds"] >= 1
     assert tail.s_per_step < sync.s_per_step
     assert sum(x.samples for x in tail.steps) == 10 * 16
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    resp=st.lists(st.integers(1, 600), min_size=1, max_size=40),
+    n=st.integers(1, 8),
+    mbs=st.integers(1, 16),
+    sort=st.booleans(),
+)
+def test_train_cost_forms_the_learners_micro_batches(resp, n, mbs, sort):
+    """The micro-batched train cost uses the learner's own micro-batches (same rows, same order),
+    counts each micro-batch's distinct prompts and pads to its longest response."""
+    cost = TrainCost(t0=0.3, per_token=1e-3, micro_batch=mbs, sort_by_length=sort, per_micro_batch=0.1,
+                     k_attn=1e-6, share_prompts=True)  # fmt: skip
+    P = 7
+    mask = torch.zeros(len(resp), max(resp), dtype=torch.bool)
+    for i, r in enumerate(resp):
+        mask[i, :r] = True
+    batch = PackedBatch(
+        torch.zeros(len(resp), P + max(resp), dtype=torch.long), torch.ones_like(mask), mask, P
+    )
+    spec = UpdateSpec(micro_batch_size=mbs, sort_by_length=sort)
+    real = [m.tolist() for m in micro_batches(batch, torch.arange(len(resp)), spec)]
+    assert cost.micro_batches(resp) == real
+    groups = [i // n for i in range(len(resp))]
+    expected = cost.t0
+    for rows in real:
+        U, B, R = len({groups[i] for i in rows}), len(rows), max(resp[i] for i in rows)
+        expected += 0.1 + 1e-3 * (U * P + B * R) + 1e-6 * B * R * (P + R)
+    assert cost.batch_time(resp, prompt_len=P, groups=groups) == pytest.approx(expected, rel=1e-12)
+
+
+def test_cpu_train_cost_grows_with_the_sequence_shape():
+    """This machine's train model: per padded token (rows x (prompt + response)), W1's long
+    micro-batches cost far more than the recipe's short ones with shared prompts (the reason one
+    constant per token could not fit both jobs); the recipe's update is the fitted 5.62 s."""
+    recipe = cpu_train(16, sort_by_length=False)
+    t = recipe.batch_time([12] * 32, prompt_len=37, groups=[i // 8 for i in range(32)])
+    assert t == pytest.approx(5.62, rel=0.01)
+    long = cpu_train(8).batch_time([512] * 8, prompt_len=37, groups=[i // 4 for i in range(8)])
+    assert long / (8 * (37 + 512)) > 2 * t / (32 * (37 + 12))
+
+
+def test_shared_prefix_is_prefilled_once():
+    clock = VirtualClock()
+    shared = DecodeCost(a=0.01, b=0.0, c=0.0, p0=0.05, p1=1e-3, share_prefix=True)
+    for cost, tokens in ((shared, 10 + 10), (DECODE, 4 * 10 + 10)):
+        eng = SimEngine(clock, cost, Lengths(5, 0.0, 5))
+        p = SamplingParams(max_tokens=5, ignore_eos=True)
+        eng.add([Request(f"a{j}", RunList(1, 10, key=0), p) for j in range(4)])
+        eng.add([Request("b", RunList(1, 10, key=1), p)])
+        t0 = clock.now
+        eng.step()
+        assert eng.next_event() - t0 == pytest.approx(cost.prefill(tokens) + cost.iterations(5, 5, 50))
 
 
 @settings(max_examples=30, deadline=None)

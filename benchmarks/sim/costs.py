@@ -14,10 +14,13 @@ r"""Every cost model of the simulator, each with its formula and its source (doc
 * **Prefill** of :math:`P` prompt tokens (also the re-prefill of a request continued after a
   weight update, prompt + tokens so far): :math:`t = p_0 + p_1 P` (compute-bound, :math:`2N`
   FLOPs per token).
-* **Train** on :math:`T` tokens (prompt + response, every sample of the batch):
-  :math:`t = t_0 + k_\text{tok} T`; on GPUs :math:`k_\text{tok} = 8N / (G\cdot\text{peak}\cdot
+* **Train** on GPUs, on :math:`T` tokens (prompt + response, every sample of the batch):
+  :math:`t = t_0 + k_\text{tok} T`, :math:`k_\text{tok} = 8N / (G\cdot\text{peak}\cdot
   \text{MFU})` (the :math:`6N` FLOPs per token of Kaplan et al. 2020 for forward and backward,
-  plus :math:`2N` for the old-policy log-probs).
+  plus :math:`2N` for the old-policy log-probs). On this CPU the cost depends on the batch's
+  shape: per micro-batch of :math:`B` rows, :math:`U` distinct prompts of :math:`P` tokens and
+  responses padded to :math:`R`, :math:`m_0 + k(UP + BR) + k_a BR(P + R)`, measured on the torch
+  engine's own update (:class:`TrainCost`, :data:`_TRAIN_1_THREAD`).
 * **Weight sync**: :math:`t = s_0 + 2N / \text{bw}` (bfloat16 weights broadcast to the rollout
   engines).
 * **Reward and environment latency**: a distribution per call (constant, Gaussian truncated at
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 __all__ = [
@@ -40,8 +44,10 @@ __all__ = [
     "Latency",
     "MODEL_SHAPES",
     "PAPER_MFU",
+    "TWO_THREAD_SPEEDUP",
     "TrainCost",
     "cpu_smollm2",
+    "cpu_train",
     "gpu_model",
 ]
 
@@ -52,7 +58,9 @@ class DecodeCost:
 
     ``max_seqs``: the most sequences decoded together (vLLM's ``max_num_seqs``);
     ``kv_capacity``: the KV-cache size in tokens (a request waits while admitting it would
-    exceed it; ``None``: unbounded).
+    exceed it; ``None``: unbounded); ``share_prefix``: requests of one prompt admitted together
+    prefill it once (the transformers engine prefills each distinct prompt once and gathers its
+    cache to the samples: ``trainers/engines/hf_rollout.py``).
     """
 
     a: float
@@ -62,6 +70,7 @@ class DecodeCost:
     p1: float = 0.0
     max_seqs: int = 256
     kv_capacity: int | None = None
+    share_prefix: bool = False
 
     def iteration(self, running: int, kv_tokens: float) -> float:
         return self.a + self.b * running + self.c * kv_tokens
@@ -92,26 +101,64 @@ class DecodeCost:
 
 @dataclass(frozen=True)
 class TrainCost:
-    """Training on ``tokens`` tokens: ``t0 + per_token * tokens`` seconds; weight sync
-    ``sync_s`` seconds (engines paused meanwhile)."""
+    r"""Training one batch, and the weight sync after it (``sync_s`` seconds, engines paused).
+
+    * **Packed** (``micro_batch == 0``; the GPU models): :math:`t = t_0 + k\,T`, ``T`` the prompt
+      + response tokens of every sample, each counted once.
+    * **Micro-batched** (``micro_batch > 0``; this machine's torch engine): micro-batches of
+      :math:`B` rows formed as the learner forms them (``trainers.learner.micro_batches``: rows
+      in batch order, stably sorted by response length first with ``sort_by_length``), each
+      computed up to its longest response :math:`R` after prompts of :math:`P` tokens:
+
+      .. math:: t = t_0 + \sum_\text{mb} \left(m_0 + k\,(U P + B R) + k_a\,B R (P + R)\right)
+
+      :math:`U`: the distinct prompts of the micro-batch with ``share_prompts`` (the torch
+      engine runs each distinct prompt once and the responses on its KV cache:
+      ``response_logits`` in ``trainers/engines/torch_train.py``), else :math:`B`;
+      :math:`m_0` (``per_micro_batch``): the fixed work of a micro-batch; :math:`k_a`
+      (``k_attn``): attention and the memory traffic that grow with the context;
+      :math:`t_0`: the optimizer step and the update's fixed work. With :math:`m_0 = k_a = 0`
+      and no prompt sharing this is :math:`t_0 + k \sum_\text{mb} B (P + R)`, padded tokens.
+    """
 
     t0: float
-    per_token: float
+    per_token: float = 0.0
     sync_s: float = 0.0
-    micro_batch: int = 0  # > 0: padded micro-batches of this many samples, sorted by length
+    micro_batch: int = 0
+    sort_by_length: bool = True
+    per_micro_batch: float = 0.0
+    k_attn: float = 0.0
+    share_prompts: bool = False
 
     def time(self, tokens: int) -> float:
+        """The packed form: ``t0 + per_token * tokens``."""
         return self.t0 + self.per_token * tokens
 
-    def batch_time(self, lengths: list[int]) -> float:
-        """Training on samples of these lengths (prompt + response): padded micro-batches of
-        ``micro_batch`` samples sorted by length (the trainers' ``train.sort_by_length``) when
-        ``micro_batch > 0``, else packed (every token counts once)."""
+    def micro_batches(self, responses: Sequence[int]) -> list[list[int]]:
+        """Row indices of each micro-batch (all rows in one when ``micro_batch == 0``)."""
+        rows = list(range(len(responses)))
         if self.micro_batch <= 0:
-            return self.time(sum(lengths))
-        xs = sorted(lengths)
+            return [rows] if rows else []
+        if self.sort_by_length:
+            rows.sort(key=lambda i: responses[i])  # stable, as torch.argsort(stable=True)
         mb = self.micro_batch
-        return self.time(sum(len(xs[i : i + mb]) * max(xs[i : i + mb]) for i in range(0, len(xs), mb)))
+        return [rows[i : i + mb] for i in range(0, len(rows), mb)]
+
+    def batch_time(
+        self, responses: Sequence[int], *, prompt_len: int, groups: Sequence[int] | None = None
+    ) -> float:
+        """Seconds to train samples with these response lengths after prompts of ``prompt_len``
+        tokens; ``groups[i]``: the prompt of sample ``i`` (default: every sample its own)."""
+        if self.micro_batch <= 0:
+            return self.time(sum(prompt_len + r for r in responses))
+        groups = range(len(responses)) if groups is None else groups
+        t = self.t0
+        for rows in self.micro_batches(responses):
+            B, R = len(rows), max(responses[i] for i in rows)
+            U = len({groups[i] for i in rows}) if self.share_prompts else B
+            t += self.per_micro_batch + self.per_token * (U * prompt_len + B * R)
+            t += self.k_attn * B * R * (prompt_len + R)
+        return t
 
 
 @dataclass(frozen=True)
@@ -160,26 +207,53 @@ class CostModel:
 #: vllm / hf decode and prefill: ``python -m benchmarks.sim.calibrate`` on the quiet machine
 #: (vLLM through the request-level view, one ``VLLMRequestEngine.step()`` per iteration; the
 #: transformers engine's batch ``generate``; fits within 12%; small negative ``c`` set to 0).
-#: train: per padded token, least squares over the W1 sync steps minus their simulated rollout
-#: (the training micro-benchmark was disturbed by other jobs). docs/simulator.md.
+#: Weight sync: vLLM 0.38 s (the same calibration), transformers 0.11 s
+#: (``python -m benchmarks.sim.calibrate --skip vllm,hf,train``).
 _CPU = {
     "vllm": DecodeCost(a=0.0377, b=0.00158, c=0.0, p0=0.059, p1=0.00115, max_seqs=256),
-    "hf": DecodeCost(a=0.0452, b=0.0, c=0.000144, p0=0.0869, p1=0.00139, max_seqs=1 << 20),
-    "train": TrainCost(t0=0.0, per_token=0.0101, sync_s=0.0),
+    "hf": DecodeCost(a=0.0452, b=0.0, c=0.000144, p0=0.0869, p1=0.00139, max_seqs=1 << 20, share_prefix=True),
+    "sync_vllm": 0.38,
+    "sync_hf": 0.11,
 }
 
+#: The torch engine's ``ppo_update`` on SmolLM2 (the micro-batched form of :class:`TrainCost`),
+#: measured with ONE torch thread in process CPU seconds, which other jobs on the shared machine
+#: delay but do not inflate: ``nice -n 5 python -m benchmarks.sim.calibrate --skip vllm,hf,sync
+#: --threads 1`` (2-core AMD EPYC, float32; load average 8-10 from other jobs), six shapes of
+#: prompt 37 + response 12 to 512 tokens, each the faster of two calls; the fit is within 13% of
+#: every shape (docs/simulator.md has the table).
+_TRAIN_1_THREAD = {"t0": 0.7946, "per_micro_batch": 1.0515, "per_token": 0.010789, "k_attn": 9.564e-06}
 
-def cpu_smollm2(engine: str = "vllm") -> CostModel:
+#: How much faster the same update runs on 2 threads than on 1: the model's 1-thread time of the
+#: recipe's update (4 x 8 x (37 + 12) tokens, micro-batches of 16: 8.82 s) over the median
+#: ``time/train`` of the recipe's job in ``benchmarks/bench_server.py``'s in-process run on this
+#: machine (5.62 s over 20 steps: ``runs/bench_server/vllm/metrics.jsonl``, docs/server.md). The
+#: one constant of the train model fitted on a run of a job, not on a micro-benchmark: the
+#: recipe's train phase is therefore fitted, its rollout and W1's train are predictions.
+TWO_THREAD_SPEEDUP = 1.568
+
+
+def cpu_train(micro_batch: int = 8, *, sort_by_length: bool = True, sync_s: float = 0.0) -> TrainCost:
+    """This machine's torch train engine on SmolLM2 with 2 threads (:data:`_TRAIN_1_THREAD` over
+    :data:`TWO_THREAD_SPEEDUP`), micro-batches of ``micro_batch`` rows, prompts shared."""
+    k = {name: v / TWO_THREAD_SPEEDUP for name, v in _TRAIN_1_THREAD.items()}
+    return TrainCost(
+        **k, sync_s=sync_s, micro_batch=micro_batch, sort_by_length=sort_by_length, share_prompts=True
+    )
+
+
+def cpu_smollm2(engine: str = "vllm", *, micro_batch: int = 8, sort_by_length: bool = True) -> CostModel:
     """This machine's costs for SmolLM2-135M (``engine``: ``"vllm"`` for the vLLM CPU build,
-    ``"hf"`` for the transformers engine); rewards are exact-match, about free."""
+    ``"hf"`` for the transformers engine; the train micro-batches: ``micro_batch`` rows, sorted
+    by length or not); rewards are exact-match, about free."""
     if engine not in ("vllm", "hf"):
         raise ValueError(f"engine: expected 'vllm' or 'hf', got {engine!r}")
     return CostModel(
         decode=_CPU[engine],
-        train=_CPU["train"],
+        train=cpu_train(micro_batch, sort_by_length=sort_by_length, sync_s=_CPU[f"sync_{engine}"]),
         reward=Latency("const", 0.0005),
         name=f"cpu-smollm2-{engine}",
-        source="fitted on this machine (2-core AMD EPYC, float32): costs._CPU, docs/simulator.md",
+        source="measured on this machine (2-core AMD EPYC, float32): costs._CPU, _TRAIN_1_THREAD, docs/simulator.md",
     )
 
 

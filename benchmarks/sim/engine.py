@@ -158,7 +158,7 @@ class _Instance:
 
     def admit(self, now: float, busy_until: float) -> None:
         """Start waiting requests while the batch and KV capacity allow (prefill cost)."""
-        cap, tokens = self.cost.kv_capacity, 0
+        cap, tokens, seen = self.cost.kv_capacity, 0, set()
         while self.waiting and len(self.running) < self.cost.max_seqs:
             req, target = self.waiting[0]
             ctx = len(req.prompt_ids) + len(req.token_ids)
@@ -170,7 +170,12 @@ class _Instance:
             self.kv_sum += s.ctx0 - self.iters
             self.tie += 1
             heapq.heappush(self.heap, (self.iters + target - s.base, self.tie, s))
-            tokens += s.ctx0
+            key = getattr(req.prompt_ids, "key", None)
+            if self.cost.share_prefix and key is not None and key in seen:
+                tokens += s.ctx0 - len(req.prompt_ids)  # the prompt is prefilled once
+            else:
+                tokens += s.ctx0
+            seen.add(key)
         if tokens:
             self.t = max(self.t, now, busy_until) + self.cost.prefill(tokens)
 

@@ -197,8 +197,11 @@ def run_queue(
         sch.drop(buffer.abort_expiring())
         tokens = sum(len(r.token_ids) for _, r, _ in batch.samples)
         t1 = clock.now
-        lens = [s.prompt_len + len(r.token_ids) for _, r, _ in batch.samples]
-        _produce_until(sch, clock, engines, rewards, t1 + s.cost.train.batch_time(lens), s.tick)
+        resp = [len(r.token_ids) for _, r, _ in batch.samples]
+        train_s = s.cost.train.batch_time(
+            resp, prompt_len=s.prompt_len, groups=[i // s.n for i in range(len(resp))]
+        )
+        _produce_until(sch, clock, engines, rewards, t1 + train_s, s.tick)
         t2 = clock.now
         sch.update_weights(None, n + 1, keep=keep)
         _produce_until(sch, clock, engines, rewards, t2 + s.cost.train.sync_s, s.tick)
@@ -234,8 +237,9 @@ def run_tail(s: Setting, *, eta_prompts: float = 1.25, eta_responses: float = 1.
         tokens = sum(len(g.token_ids) for _, gens, _ in groups for g in gens)
         samples = sum(len(gens) for _, gens, _ in groups)
         t1 = clock.now
-        lens = [s.prompt_len + len(g.token_ids) for _, gens, _ in groups for g in gens]
-        clock.advance_to(t1 + s.cost.train.batch_time(lens))
+        resp = [len(g.token_ids) for _, gens, _ in groups for g in gens]
+        ids = [k for k, (_, gens, _) in enumerate(groups) for _ in gens]
+        clock.advance_to(t1 + s.cost.train.batch_time(resp, prompt_len=s.prompt_len, groups=ids))
         t2 = clock.now
         engine.update_weights(None, n + 1)
         clock.advance_to(t2 + s.cost.train.sync_s)
