@@ -119,6 +119,7 @@ def run_mode(mode: str, args: argparse.Namespace, model, tok) -> dict[str, objec
         "rollout_share": statistics.median(rollout) / max(statistics.median(step), 1e-12),
         "steps": step,
         "rollout": rollout,
+        "train": [m.get("time/train", 0.0) for m in steps],
         "long_rounds": sum(m.get("tail/round", 0.0) for m in steps),
         "aborted": statistics.fmean(m.get("tail/aborted_responses", 0.0) for m in steps),
         "launched": statistics.fmean(m.get("tail/launched_responses", args.prompts * args.n) for m in steps),
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, object]]:
     )
     for mode, r in results.items():
         print(f"{mode} seconds per step: " + " ".join(f"{s:.2f}" for s in r["steps"]))
+        for part in ("rollout", "train"):
+            print(f"{mode} {part} seconds per step: " + " ".join(f"{s:.2f}" for s in r[part]))
     cmd = [
         "python benchmarks/bench_tail_batching.py",
         *(f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items()),
