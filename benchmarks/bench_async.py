@@ -351,10 +351,11 @@ def run_epoch(spec: EpochSpec) -> dict[str, dict[str, float]]:
             "sync" if where[mode] != "process" else ("sync (in process)" if spec.layout == "ray" else "sync")
         )
         ref = rows.get(base, {}).get("tokens_per_s", math.nan)
+        speedup = f"{r['tokens_per_s'] / ref:.2f}x" if math.isfinite(ref) else f"- (no {base} row)"
         print(
             f"| {mode} | {where[mode]} | {r['wall_s']:.1f} | {r['steps']} | {r['trained']} / {r['dropped']} | "
             f"{r['next_epoch']} | {r['mean_length']:.1f} | {r['tokens_per_s']:.2f} | "
-            f"{r['tokens_per_s'] / ref:.2f}x | {r['generated']:.0f} |"
+            f"{speedup} | {r['generated']:.0f} |"
         )
     print(
         "dropped: async requests aborted by the freshness bound or expired after finishing; tail "
