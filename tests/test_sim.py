@@ -20,7 +20,7 @@ from benchmarks.sim.costs import CostModel, DecodeCost, Latency, TrainCost, cpu_
 from benchmarks.sim.engine import RunList, SimEngine
 from benchmarks.sim.lengths import Lengths
 from benchmarks.sim.plan import main as plan_main
-from benchmarks.sim.run import Setting, run_queue, run_tail
+from benchmarks.sim.run import Setting, run_queue, run_sync, run_tail
 from trainers.engines.base import PackedBatch, SamplingParams
 from trainers.engines.requests import Request, RequestEngine
 from trainers.learner import UpdateSpec, micro_batches
@@ -84,6 +84,19 @@ def test_requests_stopped_at_an_update_continue_with_their_tokens():
     again = run_queue(s, ratio=2, keep=False)
     assert again.counts["restarted"] > 0
     assert again.generated_tokens > res.generated_tokens  # restarting wastes the tokens
+
+
+@pytest.mark.parametrize("w1", ["", "lognormal:16:1.5"])
+def test_sync_collector_matches_the_queue_at_ratio_0(w1):
+    """The synchronous trainer's own GroupCollector (batch generate, or per-request budgets with
+    W1) gives the same steps as the queue scheduler at ratio 0, prompts on one engine."""
+    lengths = Lengths(16, 1.5, 512) if w1 else Lengths(20, 0.0, 20)
+    s = Setting(3, 4, lengths, _cost(0.1), prompt_len=8, steps=4, w1=w1)
+    sync = run_sync(s)  # asserts: every step trains 3 x 4 samples of new prompts
+    queue = run_queue(s, ratio=0, replicate=False)
+    assert [x.time for x in sync.steps] == pytest.approx([x.time for x in queue.steps], rel=1e-12)
+    assert [x.trained_tokens for x in sync.steps] == [x.trained_tokens for x in queue.steps]
+    assert sync.counts == {"trained_prompts": 12, "per_request": bool(w1)}
 
 
 def test_tail_batching_trains_every_prompt_once_and_shortens_steps():

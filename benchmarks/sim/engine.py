@@ -25,12 +25,14 @@ import random
 import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from benchmarks.sim.clock import VirtualClock
 from benchmarks.sim.costs import DecodeCost, Latency
 from benchmarks.sim.lengths import Lengths
 from trainers.data import Prompt
+from trainers.engines.base import Generation, SamplingParams
 from trainers.engines.requests import Request
 
 __all__ = ["RunList", "SimCodec", "SimEngine", "SimRewards", "make_prompts"]
@@ -317,6 +319,25 @@ class SimEngine:
             self.counts["finished"] += 1
             self.counts["generated_tokens"] += len(r.token_ids)
         return done
+
+    def generate_iter(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[Generation]:
+        """The batch engines' streaming ``generate`` (``trainers.engines.base.iter_generations``,
+        the synchronous collector's path without per-request budgets): ``params.n`` samples of
+        every prompt, each a request of this engine, yielded as they finish (``driven=False``:
+        each :meth:`step` moves the clock to the next finish)."""
+        self._batches = getattr(self, "_batches", 0) + 1
+        one = replace(params, n=1)
+        reqs = [
+            Request(f"batch{self._batches}-{i}-{j}", ids, one, start_version=self.policy_version, tag=i)
+            for i, ids in enumerate(prompts)
+            for j in range(params.n)
+        ]
+        self.add(reqs)
+        left = {r.request_id for r in reqs}
+        while left:
+            for r in self.step():
+                left.discard(r.request_id)
+                yield r.to_generation(r.tag)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
         ids = list(self.where) if request_ids is None else [i for i in request_ids if i in self.where]

@@ -5,6 +5,9 @@
   :class:`~rollkit.buffer.SampleBuffer` with the async ratio; the trainer takes a batch, trains
   while the producer goes on, then ``QueueScheduler.update_weights`` (suspend, stop in-flight
   requests keeping their tokens, update, resume) pauses every engine for the sync time.
+* :func:`run_sync`: the synchronous trainer's own
+  :class:`~trainers.loops.collect.GroupCollector` on one simulated engine; train and sync follow
+  each step.
 * :func:`run_tail`: rollkit's :class:`~trainers.loops.collect.TailCollector` (RollPacker's tail
   batching, :class:`~rollkit.scheduling.TailBatchingPolicy` and :class:`~rollkit.scheduling.EpochSampler`)
   on one simulated engine of ``engines`` instances; train and sync follow each round.
@@ -27,11 +30,11 @@ from benchmarks.sim.lengths import Lengths
 from rollkit.buffer import SampleBuffer
 from trainers.config import Config
 from trainers.data import PromptIterator
-from trainers.loops.collect import RequestMaker, TailCollector
+from trainers.loops.collect import GroupCollector, RequestMaker, TailCollector
 from trainers.loops.common import Timer
 from trainers.loops.queue import GroupFactory, QueueScheduler
 
-__all__ = ["Result", "Setting", "StepRecord", "check_invariants", "run_queue", "run_tail"]
+__all__ = ["Result", "Setting", "StepRecord", "check_invariants", "run_queue", "run_sync", "run_tail"]
 
 
 @dataclass
@@ -214,6 +217,44 @@ def run_queue(
     counts = {**buffer.stats(), **sch.counts}
     mode = "sync" if ratio == 0 else f"async {ratio:g}"
     return Result(mode, steps, counts, sum(e.counts["generated_tokens"] for e in engines))
+
+
+def run_sync(s: Setting) -> Result:
+    """Synchronous training through the real :class:`~trainers.loops.collect.GroupCollector` (the
+    synchronous trainer's collector): each step draws ``prompts`` prompts, generates ``n`` samples
+    of each on one simulated engine of ``engines`` instances (per-request length budgets with
+    ``w1``, else the batch engines' streaming generate), scores them, then trains and syncs.
+    Checks that every step trains ``prompts x n`` samples of prompts never trained before."""
+    clock = VirtualClock()
+    cfg = s.config()
+    prompts = make_prompts(_n_prompts(s, 1.0))
+    engine = SimEngine(
+        clock, s.cost.decode, s.lengths, instances=s.engines, sync_s=s.cost.train.sync_s, driven=False
+    )
+    rewards = SimRewards(clock, s.cost.reward, s.cost.reward_workers, seed=s.seed)
+    maker = RequestMaker(cfg)
+    col = GroupCollector(
+        cfg, engine, rewards, SimCodec(s.prompt_len), PromptIterator(prompts, seed=s.seed), maker
+    )
+    steps: list[StepRecord] = []
+    seen: set[Any] = set()
+    for n in range(s.steps):
+        t0 = clock.now
+        groups, _, _ = col.collect(n, Timer())
+        keys = [p.text for p, _, _ in groups]
+        assert len(groups) == s.prompts and all(len(g) == s.n for _, g, _ in groups), "a step lost samples"
+        assert not seen.intersection(keys) and len(set(keys)) == len(keys), "a prompt was trained twice"
+        seen.update(keys)
+        resp = [len(g.token_ids) for _, gens, _ in groups for g in gens]
+        ids = [k for k, (_, gens, _) in enumerate(groups) for _ in gens]
+        t1 = clock.now
+        clock.advance_to(t1 + s.cost.train.batch_time(resp, prompt_len=s.prompt_len, groups=ids))
+        t2 = clock.now
+        engine.update_weights(None, n + 1)
+        clock.advance_to(t2 + s.cost.train.sync_s)
+        steps.append(StepRecord(t0, t1 - t0, t2 - t1, clock.now - t2, sum(resp), len(resp), {0: len(groups)}))
+    counts = {"trained_prompts": len(seen), "per_request": maker.per_request}
+    return Result("sync (collector)", steps, counts, engine.counts["generated_tokens"])
 
 
 def run_tail(s: Setting, *, eta_prompts: float = 1.25, eta_responses: float = 1.25) -> Result:

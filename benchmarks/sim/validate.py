@@ -4,7 +4,8 @@
 
 Each job is simulated with :func:`benchmarks.sim.costs.cpu_smollm2` and the job's own settings
 (the same length draws: the simulator runs the trainers' own ``RequestMaker`` with the job's
-seed), then compared with the seconds per step measured by the command in :data:`JOBS` on a
+seed), through the trainers' own collectors (``run_sync``: the synchronous ``GroupCollector``;
+``run_tail``: the ``TailCollector``), then compared with the seconds per step measured by the command in :data:`JOBS` on a
 2-core AMD EPYC without AMX, float32. What each row predicts and what it was fitted on:
 
 * decode and prefill: ``benchmarks.sim.calibrate`` micro-benchmarks (never fitted on a job);
@@ -22,7 +23,7 @@ import statistics
 
 from benchmarks.sim.costs import cpu_smollm2
 from benchmarks.sim.lengths import Lengths
-from benchmarks.sim.run import Setting, run_queue, run_tail
+from benchmarks.sim.run import Setting, run_sync, run_tail
 
 __all__ = ["JOBS", "main", "simulate"]
 
@@ -68,7 +69,7 @@ def simulate(job: dict) -> list[float]:
     s = Setting(
         job["prompts"], job["n"], job["lengths"], cost, prompt_len=PROMPT_LEN, steps=job["steps"], w1=w1
     )
-    res = run_tail(s) if job["mode"] == "tail" else run_queue(s, ratio=0, replicate=False)
+    res = run_tail(s) if job["mode"] == "tail" else run_sync(s)
     return [x.train if job["part"] == "train" else x.time for x in res.steps[1:]]
 
 
