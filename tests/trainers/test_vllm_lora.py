@@ -98,6 +98,8 @@ def test_adapter_updates_serve_the_trainers_logprobs(engine, base_model, tok, pr
     gens = engine.generate(prompts, params)
     assert all(g.policy_version == 2 for g in gens)
     assert max_err(second, gens, tok) < ATOL
+    streamed = list(engine.generate_iter(prompts, params))  # the sync trainer's streaming path
+    assert len(streamed) == len(gens) and max_err(second, streamed, tok) < ATOL
 
     # the request-level engine (async, tail batching) serves the current adapter too
     req = VLLMRequestEngine(engine)
@@ -156,7 +158,7 @@ def test_sync_trainer_serves_the_adapter_through_vllm(tmp_path):
     cfg = load_config(
         ["--model", "tiny", "model.tiny_heads=2", "model.tiny_kv_heads=1", "train.lora_rank=8",
          "rollout.lora_weights=adapter", "rollout.engine=vllm", "rollout.max_model_len=128",
-         "train.lr=1e-2", "data.digits=1", "data.eval_size=8", "eval.before=false",
+         "train.lr=1e-2", "algorithm.entropy_coef=0.1", "data.digits=1", "data.eval_size=8", "eval.before=false",
          "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4", "train.steps=3",
          "logging.progress=false", f"logging.dir={tmp_path}"]
     )  # fmt: skip
@@ -166,6 +168,8 @@ def test_sync_trainer_serves_the_adapter_through_vllm(tmp_path):
         out = tr.fit()
         exported = dict(tr.learner.export_weights())
         assert exported and all(".lora_A." in k or ".lora_B." in k for k in exported)
+        # the adapter has moved (lora_B starts at 0): the served policy is not the base
+        assert max(float(v.abs().max()) for k, v in exported.items() if ".lora_B." in k) > 1e-3
         assert tr.rollout.lora_request is not None and tr.rollout.policy_version == 3
     diffs = [r["mismatch/logp_abs_diff_max"] for r in out["history"] if "mismatch/logp_abs_diff_max" in r]
     assert len(diffs) == 3 and max(diffs) < ATOL, diffs  # steps 2-3 sampled under adapters 1-2

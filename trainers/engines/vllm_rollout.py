@@ -356,7 +356,9 @@ class VLLMRolloutEngine:
                 token_prompts.append({"prompt_token_ids": ids})
                 vparams.append(self._vllm_params(dataclasses.replace(params, n=1, seed=seed + j)))
                 owner.append((i, ids))
-        request_ids = self.llm.enqueue(token_prompts, vparams, use_tqdm=False)
+        request_ids = self.llm.enqueue(
+            token_prompts, vparams, use_tqdm=False, lora_request=self._lora_request
+        )
         # enqueue returns vLLM's internal ids ("<external>-<8 random chars>", or the external id
         # itself when randomisation is off); finished outputs carry the external id.
         lookup: dict[str, int] = {}
