@@ -989,6 +989,12 @@ def _check_rollout_extras(c: Config) -> None:
         raise ValueError(
             f"rollout.engine_temperature: expected a number >= 0 (0: off), got {r.engine_temperature!r}"
         )
+    if r.length_dist and c.ray.enabled and not c.asynchronous.enabled:
+        raise ValueError(
+            "rollout.length_dist: per-request lengths need a request-level rollout engine, which the "
+            "synchronous trainer's Ray rollout group does not have: set ray.enabled=false, or "
+            "asynchronous.enabled=true (the queue scheduler over the Ray actors)"
+        )
     if r.lora_weights == "adapter" and c.placement.sleep_level == 2:
         raise ValueError(
             "placement.sleep_level=2 discards the rollout's base weights, which rollout.lora_weights=adapter "

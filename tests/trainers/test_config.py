@@ -204,6 +204,19 @@ def test_fast_bf16_switch_forces_either_path(monkeypatch):
             "placement.sleep_level=2 discards",
         ),
         (["rollout.engine_temperature=-1"], "rollout.engine_temperature: expected a number >= 0"),
+        (
+            ["rollout.length_dist=lognormal:8:1", "ray.enabled=true"],
+            "rollout.length_dist: per-request lengths",
+        ),
+        (
+            [
+                "rollout.length_dist=lognormal:8:1",
+                "ray.enabled=true",
+                "asynchronous.enabled=true",
+                "placement.mode=disaggregated",
+            ],
+            None,
+        ),
         (["train.lora_rank=4", "rollout.lora_weights=adapter", "rollout.engine=vllm"], None),
         (["rollout.engine_temperature=1.3"], None),
     ],
