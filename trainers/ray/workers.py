@@ -923,6 +923,18 @@ def build_ray_roles(
     )
 
 
+def _started(ref: Any, name: str, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) for an actor's constructor; one that raised gives an
+    :class:`ActorCallError` with its exception's last line (e.g. the model that did not load)."""
+    ray = _ray()
+    wait_all([ref], [name], timeout_s)
+    try:
+        ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayActorError as e:
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        raise ActorCallError(f"{name}: the actor died: {lines[-1] if lines else type(e).__name__}") from None
+
+
 def build_ray_teacher(
     cfg: Config,
     *,
@@ -962,7 +974,7 @@ def build_ray_teacher(
             .remote(cfg, model_ref, tokenizer, device, threads, chunk_tokens)
         )
         teacher = RayTeacher(actor, placement, timeout_s=cfg.ray.timeout_s)
-        call(actor.node_id.remote(), "teacher actor (start)", cfg.ray.timeout_s)  # constructor done
+        _started(actor.node_id.remote(), "teacher actor (start)", cfg.ray.timeout_s)
     except BaseException:
         if actor is not None:
             ray.kill(actor, no_restart=True)
