@@ -62,6 +62,7 @@ __all__ = [
     "DistillSettings",
     "DistillTrainer",
     "build_teacher",
+    "teacher_config",
     "validate_distill",
 ]
 
@@ -80,9 +81,7 @@ class DistillSettings:
     teacher_tiny_seed: int = 0  # teacher="tiny": its initial weights' seed
     teacher_warmup_steps: int = 0  # supervised steps of the teacher on the train prompts before distilling
     teacher_warmup_lr: float = 3e-3
-    teacher_placement: str = (
-        "process"  # "process": in this process; "ray": a Ray actor (docs/distillation.md)
-    )
+    teacher_placement: str = "process"  # "process", or "ray": a Ray actor of its own
     teacher_chunk_tokens: int = 0  # > 0: memory-lean teacher log-probs, this many positions per chunk
     teacher_cpus: float = 1.0  # teacher_placement=ray: CPUs of the teacher's bundle
     teacher_gpus: float | None = None  # teacher_placement=ray: its GPUs (None: 1 if the cluster has GPUs)
@@ -319,8 +318,9 @@ class DistillTrainer:
         with timer("teacher"):  # its logprobs, or batch_logprobs (the Ray teacher)
             teacher_lp = batch_logprobs(self.teacher, batch, micro_batch_size=mbs, **kw)
         for i in range(0, mask.shape[0], mbs):
-            mb, t_lp = batch[i : i + mbs], teacher_lp[i : i + mbs]
+            mb = batch[i : i + mbs]
             lp = self.engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw)
+            t_lp = teacher_lp[i : i + mbs].to(lp.device)  # a Ray teacher answers on the CPU
             out = on_policy_distill(lp, t_lp, mb.response_mask, coef=d.coef)
             loss = aggregate(out.loss, mb.response_mask, self.cfg.algorithm.aggregation, **norms)
             self.engine.backward(loss)
@@ -338,7 +338,7 @@ class DistillTrainer:
         with timer("teacher"):
             t_lp = batch_logprobs(
                 self.teacher, batch, micro_batch_size=cfg.train.micro_batch_size, **self._sampling()
-            )
+            ).to(mask.device)
         adv = distill_token_rewards(batch.old_logprobs, t_lp, mask, coef=cfg.distill.coef)
         n_tok = mask.sum().clamp(min=1)
         metrics = {"distill/reverse_kl": float(((batch.old_logprobs - t_lp) * mask).sum() / n_tok)}
