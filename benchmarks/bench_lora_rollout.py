@@ -12,6 +12,13 @@ Results are printed, never asserted; compare the rows of one run only (docs/engi
     python benchmarks/bench_lora_rollout.py --seeds 0,1,2
     python benchmarks/bench_lora_rollout.py --seeds 0 --model tiny model.tiny_heads=2 \\
         model.tiny_kv_heads=1 data.digits=1 data.eval_size=20 train.steps=3     # a small run
+    python benchmarks/bench_lora_rollout.py --engine-only     # weight sync and sampling alone
+
+``--engine-only`` times the two paths without training, side by side in one process on the
+embedded SmolLM2 (float32): one vLLM engine as each mode builds it (``lora=None`` for merged,
+``lora=adapter_config(16, 32)`` for adapter), a LoRA r16 policy whose ``lora_B`` is drawn
+(std 0.01), then ``--repeats`` x (``update_weights`` of merged weights / of the adapter, and a
+generate of the recipe's batch: 4 prompts x 8 samples, 12 tokens, temperature 0.7); medians.
 """
 
 from __future__ import annotations
@@ -67,6 +74,60 @@ def run(mode: str, seed: int, overrides: list[str], log_dir: Path, timeout_s: fl
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _acc(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def engine_only(repeats: int) -> list[tuple[str, float, float]]:
+    """``[(mode, median update_weights s, median generate s)]`` (module docstring)."""
+    import copy
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from trainers.engines import SamplingParams
+    from trainers.engines.lora import (
+        LORA_TARGETS,
+        adapter_config,
+        adapter_weights,
+        apply_lora,
+        merged_weights,
+    )
+    from trainers.engines.vllm_rollout import VLLMRolloutEngine
+    from trainers.models import default_model_path, load_model
+
+    path = default_model_path()
+    model, tok = load_model(path, dtype=torch.float32)
+    policy = apply_lora(copy.deepcopy(model), rank=16, alpha=32.0, seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    prompts = [tok(f"What is {a}+{b}? Answer:").input_ids for a, b in ((12, 34), (56, 7), (80, 19), (45, 45))]
+    params = SamplingParams(n=8, temperature=0.7, max_tokens=12, ignore_eos=True, seed=0)
+    rows = []
+    for mode in MODES:
+        lora = adapter_config(16, 32.0, LORA_TARGETS) if mode == "adapter" else None
+        eng = VLLMRolloutEngine(path, dtype="float32", max_model_len=512, seed=0, lora=lora)
+        sync, gen = [], []
+        for k in range(repeats + 1):  # the first round warms up and is not counted
+            weights = adapter_weights(policy) if mode == "adapter" else merged_weights(policy)
+            t0 = time.perf_counter()
+            eng.update_weights(weights, version=k + 1)
+            t1 = time.perf_counter()
+            eng.generate(prompts, params)
+            t2 = time.perf_counter()
+            if k:
+                sync.append(t1 - t0)
+                gen.append(t2 - t1)
+        eng.shutdown()
+        rows.append((mode, statistics.median(sync), statistics.median(gen)))
+        print(f"{mode}: update_weights {rows[-1][1]:.3f} s, generate {rows[-1][2]:.3f} s", flush=True)
+    return rows
+
+
 def table(results: dict[str, dict[int, dict]], seeds: list[int]) -> str:
     rows = [
         "| rollout.lora_weights | " + " | ".join(f"seed {s}" for s in seeds)
@@ -75,7 +136,7 @@ def table(results: dict[str, dict[int, dict]], seeds: list[int]) -> str:
     ]  # fmt: skip
     for mode, by_seed in results.items():
         rs = [by_seed[s] for s in seeds]
-        acc = " | ".join(f"{r['before']:.2f} -> {r['after']:.2f}" for r in rs)
+        acc = " | ".join(f"{_acc(r['before'])} -> {_acc(r['after'])}" for r in rs)
 
         def per_seed(key: str, fmt: str, rs: list[dict] = rs) -> str:
             return " / ".join(format(r[key], fmt) for r in rs)
@@ -92,16 +153,33 @@ def main(argv: list[str] | None = None) -> dict[str, dict[int, dict]]:
     ap.add_argument("--seeds", default="0", help="comma-separated seeds, e.g. 0,1,2")
     ap.add_argument("--log-dir", default="runs/bench_lora_rollout")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="deadline of each run")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of merged,adapter")
+    ap.add_argument("--engine-only", action="store_true", help="time weight sync and sampling alone")
+    ap.add_argument("--repeats", type=int, default=5, help="--engine-only: timed rounds per mode")
     args, overrides = ap.parse_known_args(argv)
+    if args.engine_only:
+        if args.repeats < 1:
+            raise SystemExit(f"error: --repeats: expected an int >= 1, got {args.repeats}")
+        rows = engine_only(args.repeats)
+        print(
+            "\n| rollout.lora_weights | update_weights s (median) | generate 4 x 8 x 12 tokens s (median) |"
+        )
+        print("|---|---|---|")
+        for mode, sync, gen in rows:
+            print(f"| {mode} | {sync:.3f} | {gen:.3f} |")
+        return {}
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         raise SystemExit(f"error: --seeds: expected comma-separated ints, got {args.seeds!r}") from None
     if not seeds:
         raise SystemExit("error: --seeds: give at least one seed")
-    results: dict[str, dict[int, dict]] = {m: {} for m in MODES}
+    modes = tuple(m for m in MODES if m in args.modes.split(","))
+    if not modes or set(args.modes.split(",")) - set(MODES):
+        raise SystemExit(f"error: --modes: expected a subset of {','.join(MODES)}, got {args.modes!r}")
+    results: dict[str, dict[int, dict]] = {m: {} for m in modes}
     for seed in seeds:
-        for mode in MODES if seed % 2 == 0 else MODES[::-1]:  # alternate which mode runs first
+        for mode in modes if seed % 2 == 0 else modes[::-1]:  # alternate which mode runs first
             r = run(mode, seed, overrides, Path(args.log_dir) / f"{mode}-{seed}", args.timeout_s)
             results[mode][seed] = r
             print(f"{mode} seed {seed}: {json.dumps(r)}", flush=True)
