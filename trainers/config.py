@@ -44,6 +44,7 @@ __all__ = [
     "validate",
     "validate_agentic",
     "validate_async",
+    "validate_sync",
     "AlgorithmConfig",
     "AsyncConfig",
     "CheckpointConfig",
@@ -989,12 +990,6 @@ def _check_rollout_extras(c: Config) -> None:
         raise ValueError(
             f"rollout.engine_temperature: expected a number >= 0 (0: off), got {r.engine_temperature!r}"
         )
-    if r.length_dist and c.ray.enabled and not c.asynchronous.enabled:
-        raise ValueError(
-            "rollout.length_dist: per-request lengths need a request-level rollout engine, which the "
-            "synchronous trainer's Ray rollout group does not have: set ray.enabled=false, or "
-            "asynchronous.enabled=true (the queue scheduler over the Ray actors)"
-        )
     if r.lora_weights == "adapter" and c.placement.sleep_level == 2:
         raise ValueError(
             "placement.sleep_level=2 discards the rollout's base weights, which rollout.lora_weights=adapter "
@@ -1121,6 +1116,16 @@ def _check_tail_batching(c: Config) -> None:
     ):
         if not (math.isfinite(eta) and eta >= 1):
             raise ValueError(f"{name} must be a finite number >= 1 (1: no over-provisioning), got {eta}")
+
+
+def validate_sync(cfg: Config) -> None:
+    """The checks only the synchronous trainer needs (:class:`trainers.loops.SyncTrainer`)."""
+    if cfg.rollout.length_dist and cfg.ray.enabled:
+        raise ValueError(
+            "rollout.length_dist: per-request lengths need a request-level rollout engine, which the "
+            "synchronous trainer's Ray rollout group does not have: set ray.enabled=false, or "
+            "asynchronous.enabled=true (the queue scheduler over the Ray actors)"
+        )
 
 
 def validate_async(cfg: Config) -> None:

@@ -204,19 +204,6 @@ def test_fast_bf16_switch_forces_either_path(monkeypatch):
             "placement.sleep_level=2 discards",
         ),
         (["rollout.engine_temperature=-1"], "rollout.engine_temperature: expected a number >= 0"),
-        (
-            ["rollout.length_dist=lognormal:8:1", "ray.enabled=true"],
-            "rollout.length_dist: per-request lengths",
-        ),
-        (
-            [
-                "rollout.length_dist=lognormal:8:1",
-                "ray.enabled=true",
-                "asynchronous.enabled=true",
-                "placement.mode=disaggregated",
-            ],
-            None,
-        ),
         (["train.lora_rank=4", "rollout.lora_weights=adapter", "rollout.engine=vllm"], None),
         (["rollout.engine_temperature=1.3"], None),
     ],
@@ -230,3 +217,18 @@ def test_rollout_lora_weights_and_engine_temperature_are_checked(args, match):
         return
     with pytest.raises(ValueError, match=match):
         validate(load_config(args))
+
+
+def test_sync_trainer_on_ray_refuses_per_request_lengths():
+    """The synchronous trainer's Ray rollout group has no request-level view; the asynchronous
+    trainer (the queue scheduler over the actors) takes rollout.length_dist on Ray."""
+    from trainers.config import validate, validate_async, validate_sync
+
+    cfg = load_config(
+        ["rollout.length_dist=lognormal:8:1", "ray.enabled=true", "placement.mode=disaggregated"]
+    )
+    validate(cfg)
+    validate_async(cfg)
+    with pytest.raises(ValueError, match=r"rollout\.length_dist: per-request lengths"):
+        validate_sync(cfg)
+    validate_sync(load_config(["rollout.length_dist=lognormal:8:1"]))
