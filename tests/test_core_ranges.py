@@ -30,6 +30,7 @@ NOT_CORE = (
     "test_sim.py",  # drives trainers/ code in benchmarks/sim
     "test_bench_gpu_smoke.py",  # runs benchmarks/bench_gpu.py (trainers, transformers)
     "test_bench_distill.py",  # runs benchmarks/bench_distill.py (trainers, transformers)
+    "test_bench_epoch.py",  # runs bench_async / bench_tail_batching --epoch (trainers, transformers, pyyaml)
 )
 # rollkit modules whose doctests need an extra (torchrl, TRL, verl, OpenRLHF).
 NOT_CORE_DOCTESTS = ("rollkit/interop", "rollkit/integrations")
