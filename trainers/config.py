@@ -441,6 +441,9 @@ class AgenticRolloutConfig:
     dtype: str = ""
     max_staleness: int = 0  # 0: synchronous; >= 1: overlap collection with training, per-turn bound
     max_attempts: int = 0  # episodes launched per group before it is abandoned (0: 3 x launched)
+    # an injected training-inference mismatch for experiments: > 0: the rollout engine samples
+    # at this temperature while the trainer's log-probs use rollout.temperature. 0: off
+    engine_temperature: float = 0.0
 
 
 @dataclass
@@ -970,6 +973,11 @@ def _check_data(c: Config) -> None:
         _check_names(c, [("data.task", d.task, ("addition",)), ("data.digits", d.digits, (1, 2, 3))])
 
 
+def _check_engine_temperature(v: object) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0):
+        raise ValueError(f"rollout.engine_temperature: expected a number >= 0 (0: off), got {v!r}")
+
+
 def _check_rollout_extras(c: Config) -> None:
     """``rollout.lora_weights`` and ``rollout.engine_temperature`` (sync / async configs)."""
     r, t = c.rollout, c.train
@@ -982,14 +990,7 @@ def _check_rollout_extras(c: Config) -> None:
             f"rollout.lora_weights=adapter: served by vLLM's LoRA support (rollout.engine=vllm), "
             f"not rollout.engine={r.engine!r}; use lora_weights=merged"
         )
-    if (
-        isinstance(r.engine_temperature, bool)
-        or not isinstance(r.engine_temperature, (int, float))
-        or not (r.engine_temperature >= 0)
-    ):
-        raise ValueError(
-            f"rollout.engine_temperature: expected a number >= 0 (0: off), got {r.engine_temperature!r}"
-        )
+    _check_engine_temperature(r.engine_temperature)
     if r.lora_weights == "adapter" and c.placement.sleep_level == 2:
         raise ValueError(
             "placement.sleep_level=2 discards the rollout's base weights, which rollout.lora_weights=adapter "
@@ -1193,6 +1194,7 @@ def validate_agentic(cfg: AgenticConfig) -> None:
         )
     if r.temperature <= 0:
         raise ValueError(f"rollout.temperature: training needs sampling (> 0), got {r.temperature}")
+    _check_engine_temperature(r.engine_temperature)
     if cfg.env.chat_template not in ("auto", "on", "off"):
         raise ValueError(f"env.chat_template: expected auto, on or off, got {cfg.env.chat_template!r}")
     if a.kl.coef:

@@ -63,6 +63,7 @@ def test_config_loads_overrides_and_rejects_bad_values():
         (["algorithm.policy_loss=nope"], "algorithm.policy_loss"),
         (["algorithm.kl.coef=0.1"], "kl.coef"),
         (["rollout.temperature=0"], "temperature"),
+        (["rollout.engine_temperature=-1"], "engine_temperature"),
         (["rollout.group_size=0"], "group_size"),
         (["env.chat_template=maybe"], "chat_template"),
     ]
@@ -136,6 +137,20 @@ def test_the_whole_pipeline_trains_in_each_rollout_mode(tmp_path, mode_args):
         assert all(r["rollout/launched"] == 9 for r in rows)
         assert all(r["env/cancelled"] + r["rollout/discarded"] == 5 for r in rows)
     assert Path(out["metrics_file"]).is_file() and Path(out["plot"]).is_file()
+
+
+@pytest.mark.slow
+def test_engine_temperature_injects_a_mismatch(tmp_path):
+    """rollout.engine_temperature: the engine samples hotter than the trainer's log-probs assume,
+    so the behaviour log-probs no longer match the trainer's (on-policy they match to 1e-3)."""
+    gaps = {}
+    for t in (0.0, 3.0):
+        cfg = tiny_cfg(
+            tmp_path / str(t), "rollout.mode=lockstep", "train.steps=1", f"rollout.engine_temperature={t}"
+        )
+        with AgenticTrainer(cfg) as trainer:
+            gaps[t] = next(r for r in trainer.fit()["history"] if "time/step" in r)["train/logprob_gap"]
+    assert gaps[0.0] < 1e-3 < 0.05 < gaps[3.0], gaps
 
 
 @pytest.mark.slow

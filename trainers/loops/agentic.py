@@ -201,7 +201,7 @@ class AgenticTrainer:
                 seeds.append(s)
         return self.rollout.collect(
             seeds,
-            self._params(r.temperature, r.max_tokens),
+            self._params(r.engine_temperature if r.engine_temperature > 0 else r.temperature, r.max_tokens),
             groups=r.groups_per_step,
             group_size=r.group_size,
             mode=r.mode,
