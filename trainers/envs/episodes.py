@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from trainers.envs.turns import TurnEncoder
 from trainers.envs.workers import EnvResult, EnvWorkers
 from trainers.envs.wrappers import StateIdEnv
 
-__all__ = ["FAILURES", "MODES", "EpisodeBatch", "EpisodeRecord", "EpisodeRunner"]
+__all__ = ["FAILURES", "MODES", "AsyncSchedule", "EpisodeBatch", "EpisodeRecord", "EpisodeRunner"]
 
 #: the scheduling modes of :meth:`EpisodeRunner.collect`
 MODES = ("lockstep", "async")
@@ -469,19 +469,14 @@ class EpisodeRunner:
         )
         return metrics
 
-    def _launch(self, g: _Group, params: SamplingParams, ctl: _Control, counts: dict[str, int]) -> None:
-        rec = EpisodeRecord(uid=next(self._uids), group=g.index, seed=g.seed)
-        g.running[rec.uid] = rec
-        g.launched += 1
-        counts["launched"] += 1
+    def _start(self, rec: EpisodeRecord, params: SamplingParams, ctl: _Control) -> None:
         threading.Thread(
             target=self._play, args=(rec, params, ctl), name=f"episode-{rec.uid}", daemon=True
         ).start()
 
-    def _cancel(self, recs: Iterable[EpisodeRecord], ctl: _Control, counts: dict[str, int]) -> None:
+    def _cancel(self, recs: Iterable[EpisodeRecord], ctl: _Control) -> None:
         uids = [r.uid for r in recs]
         ctl.cancelled.update(uids)
-        counts["cancelled"] += len(uids)
         self.server.cancel(uids)
 
     # ------------------------------------------------------------------ lock-step
@@ -550,66 +545,167 @@ class EpisodeRunner:
 # --------------------------------------------------------------------------- schedules
 
 
-def _collect_async(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -> list[_Group]:
-    """The ``async`` schedule: the launched groups play at once, an episode per thread; a
-    failed episode is replaced at once; the first ``call.groups`` complete groups are kept."""
-    params, needed, group_size = call.params, call.groups, call.group_size
-    redundancy, max_attempts = call.redundancy, call.max_attempts
-    ctl = _Control(call.version_floor)
-    groups: dict[int, _Group] = {}
-    spare = deque(enumerate(call.seeds))
-    complete: list[_Group] = []
+class AsyncSchedule:
+    """The decisions of the ``async`` schedule, free of threads and clocks.
 
-    def open_group() -> None:
-        index, seed = spare.popleft()
-        g = groups[index] = _Group(index, seed)
-        for _ in range(group_size + redundancy):
-            runner._launch(g, params, ctl, counts)
+    Which episodes to launch, which to cancel and which task groups are complete: the launched
+    groups play at once, a failed episode (a :data:`FAILURES` status) is replaced until its group
+    has launched ``max_attempts``, a group that cannot complete any more is abandoned for a spare
+    seed, and the first ``groups`` complete groups are kept (their running episodes cancelled).
 
-    for _ in range(call.launch_groups):
-        open_group()
-    try:
-        while len(complete) < needed:
-            rec = ctl.events.get()
-            g = groups[rec.group]
-            g.running.pop(rec.uid, None)
-            if rec.status == "crash":
-                raise RuntimeError(f"an episode crashed:\n{rec.error}")
-            if g.closed or rec.uid in ctl.cancelled:
-                continue  # counted as cancelled when its group closed
-            if rec.status == "done":
-                g.kept.append(rec)
-                if len(g.kept) == group_size:
-                    g.closed = True
-                    complete.append(g)
-                    runner._cancel(g.running.values(), ctl, counts)
-                    g.running.clear()
-                continue
-            counts[rec.status] += 1  # hang / error / died / stale: dropped
-            if g.launched < max_attempts:
-                runner._launch(g, params, ctl, counts)
-                counts["replaced"] += 1
-            elif len(g.kept) + len(g.running) < group_size:  # cannot complete any more
-                g.closed = True
-                counts["abandoned"] += 1
-                counts["discarded"] += len(g.kept)
-                runner._cancel(g.running.values(), ctl, counts)
-                g.running.clear()
-                open_now = sum(1 for x in groups.values() if not x.closed)
-                if len(complete) + open_now < needed:
-                    if not spare:
-                        raise RuntimeError(
-                            f"rollout: {counts['abandoned']} task groups abandoned after {max_attempts} "
-                            f"attempts each and no spare seeds left (last failure: {rec.status}: {rec.error})"
-                        )
-                    open_group()
-    finally:  # everything still running is no longer needed
-        rest = [r for g in groups.values() if not g.closed for r in g.running.values()]
-        runner._cancel(rest, ctl, counts)
-        counts["discarded"] += sum(len(g.kept) for g in groups.values() if not g.closed)
-        for g in groups.values():
+    A driver launches every record that :meth:`start` and :meth:`finished` return, cancels the
+    records they name for cancellation, reports each launched record back to :meth:`finished`
+    once it ends (``status`` set), until :attr:`done`; then it cancels what :meth:`close` returns
+    and takes :meth:`result`. :meth:`EpisodeRunner.collect` drives it with a thread per
+    episode; ``benchmarks/sim/agentic.py`` drives it on a virtual clock.
+
+    >>> from trainers.engines.base import SamplingParams
+    >>> s = AsyncSchedule.plan([7, 8, 9], SamplingParams(max_tokens=4), groups=1, redundancy=1, launch_groups=2)
+    >>> launch = s.start(); [(r.uid, r.group, r.seed) for r in launch]
+    [(0, 0, 7), (1, 0, 7), (2, 1, 8), (3, 1, 8)]
+    >>> launch[0].status = "done"
+    >>> new, cancel = s.finished(launch[0]); s.done, [r.uid for r in cancel]
+    (True, [1])
+    >>> [r.uid for r in s.close()], [g.seed for g in s.result()], s.counts["cancelled"]
+    ([2, 3], [7], 3)
+    """
+
+    def __init__(
+        self, call: _Call, counts: dict[str, int] | None = None, uids: Iterator[int] | None = None
+    ) -> None:
+        self.call = call
+        self.counts = dict.fromkeys(_COUNTS, 0) if counts is None else counts
+        self._uids = itertools.count() if uids is None else uids
+        self.groups: dict[int, _Group] = {}
+        self.complete: list[_Group] = []
+        self.cancelled: set[int] = set()
+        self._spare = deque(enumerate(call.seeds))
+        self._unsent: list[EpisodeRecord] = []  # closed when finished() raised: close() returns them
+
+    @classmethod
+    def plan(
+        cls,
+        seeds: Sequence[int],
+        params: SamplingParams,
+        *,
+        groups: int | None = None,
+        group_size: int = 1,
+        redundancy: int = 0,
+        launch_groups: int | None = None,
+        version_floor: Callable[[], int] | None = None,
+        max_attempts: int | None = None,
+        uids: Iterator[int] | None = None,
+    ) -> AsyncSchedule:
+        """A schedule of the arguments of :meth:`EpisodeRunner.collect` (``mode="async"``),
+        checked as it checks them; ``uids`` numbers the records (default from 0)."""
+        call = _check_collect(
+            seeds, params, groups, group_size, "async", redundancy, launch_groups, version_floor, max_attempts
+        )
+        return cls(call, uids=uids)
+
+    @property
+    def done(self) -> bool:
+        """``groups`` task groups are complete."""
+        return len(self.complete) >= self.call.groups
+
+    def start(self) -> list[EpisodeRecord]:
+        """The first launches: ``group_size + redundancy`` episodes of each of the first
+        ``launch_groups`` task groups."""
+        return [rec for _ in range(self.call.launch_groups) for rec in self._open_group()]
+
+    def _open_group(self) -> list[EpisodeRecord]:
+        index, seed = self._spare.popleft()
+        g = self.groups[index] = _Group(index, seed)
+        return [self._new(g) for _ in range(self.call.group_size + self.call.redundancy)]
+
+    def _new(self, g: _Group) -> EpisodeRecord:
+        rec = EpisodeRecord(uid=next(self._uids), group=g.index, seed=g.seed)
+        g.running[rec.uid] = rec
+        g.launched += 1
+        self.counts["launched"] += 1
+        return rec
+
+    def _close(self, g: _Group) -> list[EpisodeRecord]:
+        """Close ``g``; its running episodes, to cancel."""
+        g.closed = True
+        recs = list(g.running.values())
+        g.running.clear()
+        self.cancelled.update(r.uid for r in recs)
+        self.counts["cancelled"] += len(recs)
+        return recs
+
+    def finished(self, rec: EpisodeRecord) -> tuple[list[EpisodeRecord], list[EpisodeRecord]]:
+        """Take a launched record that ended: ``(records to launch, records to cancel)``.
+        ``RuntimeError`` when it crashed or when a group is abandoned with no spare seed left."""
+        g = self.groups[rec.group]
+        g.running.pop(rec.uid, None)
+        if rec.status == "crash":
+            raise RuntimeError(f"an episode crashed:\n{rec.error}")
+        if g.closed or rec.uid in self.cancelled:
+            return [], []  # counted as cancelled when its group closed
+        if rec.status == "done":
+            g.kept.append(rec)
+            if len(g.kept) < self.call.group_size:
+                return [], []
+            self.complete.append(g)
+            return [], self._close(g)
+        self.counts[rec.status] += 1  # hang / error / died / stale: dropped
+        if g.launched < self.call.max_attempts:
+            self.counts["replaced"] += 1
+            return [self._new(g)], []
+        if len(g.kept) + len(g.running) >= self.call.group_size:
+            return [], []
+        # the group cannot complete any more: abandoned, a spare group opened if one is needed
+        self.counts["abandoned"] += 1
+        self.counts["discarded"] += len(g.kept)
+        cancel = self._close(g)
+        open_now = sum(1 for x in self.groups.values() if not x.closed)
+        if len(self.complete) + open_now >= self.call.groups:
+            return [], cancel
+        if not self._spare:
+            self._unsent = cancel
+            raise RuntimeError(
+                f"rollout: {self.counts['abandoned']} task groups abandoned after {self.call.max_attempts} "
+                f"attempts each and no spare seeds left (last failure: {rec.status}: {rec.error})"
+            )
+        return self._open_group(), cancel
+
+    def close(self) -> list[EpisodeRecord]:
+        """End the call: the episodes still running (to cancel), no longer needed; the kept
+        episodes of incomplete groups are counted as discarded."""
+        rest = [g for g in self.groups.values() if not g.closed]
+        cancel = [r for g in rest for r in g.running.values()]
+        self.cancelled.update(r.uid for r in cancel)
+        self.counts["cancelled"] += len(cancel)
+        self.counts["discarded"] += sum(len(g.kept) for g in rest)
+        for g in self.groups.values():
             g.running.clear()
-    return complete[:needed]
+        cancel, self._unsent = self._unsent + cancel, []
+        return cancel
+
+    def result(self) -> list[_Group]:
+        """The complete groups kept, in the order they completed."""
+        return self.complete[: self.call.groups]
+
+
+def _collect_async(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -> list[_Group]:
+    """The ``async`` schedule (:class:`AsyncSchedule`) driven with an episode per thread."""
+    schedule = AsyncSchedule(call, counts, runner._uids)
+    ctl = _Control(call.version_floor)
+
+    def act(launch: list[EpisodeRecord], cancel: list[EpisodeRecord]) -> None:
+        if cancel:
+            runner._cancel(cancel, ctl)
+        for rec in launch:
+            runner._start(rec, call.params, ctl)
+
+    try:
+        act(schedule.start(), [])
+        while not schedule.done:
+            act(*schedule.finished(ctl.events.get()))
+    finally:  # everything still running is no longer needed
+        act([], schedule.close())
+    return schedule.result()
 
 
 def _collect_lockstep(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -> list[_Group]:
