@@ -6,6 +6,7 @@ properties of the closed-form engine; all on the virtual clock, a few seconds in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -14,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.sim.agentic import AgenticSetting, run_agentic
+from benchmarks.sim.agentic import AgenticRun, AgenticSetting, run_agentic
 from benchmarks.sim.clock import VirtualClock
 from benchmarks.sim.costs import CostModel, DecodeCost, Latency, TrainCost, cpu_train, gpu_model
 from benchmarks.sim.engine import RunList, SimEngine
@@ -195,8 +196,45 @@ def test_agentic_env_level_async_beats_lockstep():
     s = AgenticSetting(batch=16, turns=3, lengths=Lengths(64, 0.5, 256), cost=cost, engines=2, steps=3)
     lock = run_agentic(s, "lockstep")
     assert run_agentic(s, "env-async") <= lock
+    assert run_agentic(s, "redundant", redundancy=0.5) <= run_agentic(s, "env-async")
     with pytest.raises(ValueError, match="mode"):
         run_agentic(s, "bogus")
+    with pytest.raises(ValueError, match="group_size"):
+        run_agentic(dataclasses.replace(s, group_size=5))
+    with pytest.raises(ValueError, match="lockstep"):
+        run_agentic(s, "lockstep", max_staleness=1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    group_size=st.sampled_from([1, 2, 4]),
+    failure=st.sampled_from([0.0, 0.02, 0.05]),
+    redundancy=st.sampled_from([0.0, 0.25, 1.0]),
+    staleness=st.integers(0, 2),
+    seed=st.integers(0, 3),
+)
+def test_agentic_runs_the_real_async_schedule(group_size, failure, redundancy, staleness, seed):
+    """The env-level runner's own AsyncSchedule decides: failed episodes replaced, spare groups
+    cancelled; every run's invariants hold (AgenticRun.check), and the counters show the
+    schedule at work."""
+    cost = gpu_model("7B").with_(env=Latency("gauss", 10.0, 5.0))
+    s = AgenticSetting(
+        batch=8, turns=3, lengths=Lengths(64, 0.5, 256), cost=cost, engines=2, steps=3,
+        group_size=group_size, failure=failure, seed=seed,
+    )  # fmt: skip
+    run = AgenticRun(s, "redundant", max_staleness=staleness, redundancy=redundancy)
+    assert run.run() > 0  # checks the invariants
+    done = [c for c in run.schedules if c is not None and c.done]
+    assert len(done) >= s.steps
+    keys = ("launched", "error", "replaced", "cancelled", "abandoned")
+    total = {k: sum(c.counts[k] for c in done) for k in keys}
+    assert total["replaced"] <= total["error"]
+    if not total["abandoned"]:  # every failure replaced while its group has attempts left
+        assert total["replaced"] == total["error"]
+    if redundancy:
+        assert total["cancelled"] > 0  # the spare groups' episodes
+    assert total["launched"] >= s.steps * s.batch + total["error"]
+    assert len(run.trained) == s.steps * s.batch
 
 
 def test_lengths_parse_and_file(tmp_path):

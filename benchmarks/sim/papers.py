@@ -167,8 +167,8 @@ def roll_flash_agentic(steps: int) -> None:
     rows = [
         ("env-level async", run_agentic(s16, "env-async")),
         ("+ redundant envs (25%)", run_agentic(s16, "redundant", redundancy=0.25)),
-        ("+ async ratio 2 (8 + 8)", run_agentic(s8, "redundant", ratio=2, redundancy=0.25)),
-        ("async ratio 2 alone", run_agentic(s8, "env-async", ratio=2)),
+        ("+ train overlap (8 + 8)", run_agentic(s8, "redundant", max_staleness=1, redundancy=0.25)),
+        ("train overlap alone", run_agentic(s8, "env-async", max_staleness=1)),
     ]
     print(
         "\nROLL Flash, agentic (8B on 16 GPUs, 128 trajectories x 8 turns of ~200 tokens, env ~ N(10 s, 5 s))"
