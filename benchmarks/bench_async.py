@@ -336,8 +336,10 @@ def run_epoch(spec: EpochSpec) -> dict[str, dict[str, float]]:
     for mode in spec.modes:
         rows[mode] = epoch_one(spec, mode)
         r = rows[mode]
-        print(
-            f"  {mode:<18} {r['wall_s']:.1f} s, {r['steps']} steps, {r['tokens_per_s']:.1f} trained tok/s",
+        print(  # the whole row at once: a run stopped later keeps it
+            f"  {mode:<18} {r['wall_s']:.1f} s, {r['steps']} steps, {r['tokens_per_s']:.2f} trained tok/s, "
+            f"prompts trained / dropped {r['trained']} / {r['dropped']}, next epoch {r['next_epoch']}, "
+            f"mean trained length {r['mean_length']:.1f}, generated {r['generated']:.0f}",
             flush=True,
         )
     print()
