@@ -447,13 +447,14 @@ def batch_topk_logprobs(
     return torch.cat(lps), torch.cat(ids)
 
 
-class TeacherWorker:
-    """A frozen distillation teacher: sampled-token and top-k log-probs without gradients.
+class TeacherWorker(ReferenceWorker):
+    """A frozen distillation teacher: sampled-token (``batch_logprobs``, the reference's) and
+    top-k log-probs without gradients.
 
     ``cfg.model`` is the teacher's (path, dtype), ``model``: a model shipped instead (a warmed-up
     one), ``chunk_tokens > 0``: the memory-lean log-prob path of the engine."""
 
-    def __init__(
+    def __init__(  # its own engine (the teacher's model and lean path), not the reference's
         self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int, chunk_tokens: int
     ) -> None:
         _setup_process(threads)
@@ -464,23 +465,6 @@ class TeacherWorker:
         self._vocab = get_vocab() if callable(get_vocab) else None
 
     @torch.no_grad()
-    def batch_logprobs(
-        self,
-        batch: PackedBatch,
-        temperature: float,
-        micro_batch_size: int,
-        top_k: int = -1,
-        top_p: float = 1.0,
-    ) -> torch.Tensor:
-        return batch_logprobs(
-            self.engine,
-            batch,
-            temperature=temperature,
-            micro_batch_size=micro_batch_size,
-            top_k=top_k,
-            top_p=top_p,
-        )
-
     def batch_topk_logprobs(
         self, batch: PackedBatch, k: int, temperature: float, micro_batch_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -491,9 +475,6 @@ class TeacherWorker:
     def vocab(self) -> dict[str, int] | None:
         """The teacher tokenizer's vocabulary (the driver checks it against the student's)."""
         return self._vocab
-
-    def node_id(self) -> str:
-        return _node_id()
 
 
 # --------------------------------------------------------------------------- proxies
@@ -745,7 +726,9 @@ class RayTrainGroup:
 
 
 class RayReference:
-    """The reference actor behind ``batch_logprobs``."""
+    """The reference actor behind ``batch_logprobs`` (every call with the deadline ``timeout_s``)."""
+
+    what = "reference actor"  # names the actor in a failed call's error
 
     def __init__(self, actor: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.actor, self.timeout_s = actor, timeout_s
@@ -760,44 +743,32 @@ class RayReference:
         top_p: float = 1.0,
     ) -> torch.Tensor:
         ref = self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size, top_k, top_p)
-        return call(ref, "reference actor (batch_logprobs)", self.timeout_s)
+        return call(ref, f"{self.what} (batch_logprobs)", self.timeout_s)
 
     def node_id(self) -> str:
-        return call(self.actor.node_id.remote(), "reference actor (node_id)", self.timeout_s)
+        return call(self.actor.node_id.remote(), f"{self.what} (node_id)", self.timeout_s)
 
 
-class RayTeacher:
+class RayTeacher(RayReference):
     """The teacher actor behind ``batch_logprobs`` / ``batch_topk_logprobs`` (every call with the
     deadline ``timeout_s``); :meth:`close` kills it and frees its placement group."""
+
+    what = "teacher actor"
 
     def __init__(
         self, actor: Any, placement: Placement | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> None:
-        self.actor, self.placement, self.timeout_s = actor, placement, timeout_s
-
-    def batch_logprobs(
-        self,
-        batch: PackedBatch,
-        *,
-        temperature: float,
-        micro_batch_size: int,
-        top_k: int = -1,
-        top_p: float = 1.0,
-    ) -> torch.Tensor:
-        ref = self.actor.batch_logprobs.remote(batch, temperature, micro_batch_size, top_k, top_p)
-        return call(ref, "teacher actor (batch_logprobs)", self.timeout_s)
+        super().__init__(actor, timeout_s=timeout_s)
+        self.placement = placement
 
     def batch_topk_logprobs(
         self, batch: PackedBatch, *, k: int, temperature: float, micro_batch_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ref = self.actor.batch_topk_logprobs.remote(batch, k, temperature, micro_batch_size)
-        return call(ref, "teacher actor (batch_topk_logprobs)", self.timeout_s)
+        return call(ref, f"{self.what} (batch_topk_logprobs)", self.timeout_s)
 
     def vocab(self) -> dict[str, int] | None:
-        return call(self.actor.vocab.remote(), "teacher actor (vocab)", self.timeout_s)
-
-    def node_id(self) -> str:
-        return call(self.actor.node_id.remote(), "teacher actor (node_id)", self.timeout_s)
+        return call(self.actor.vocab.remote(), f"{self.what} (vocab)", self.timeout_s)
 
     def close(self) -> None:
         """Kill the actor (whatever its state) and free the placement group; idempotent."""
