@@ -674,13 +674,8 @@ class AsyncSchedule:
         """End the call: the episodes still running (to cancel), no longer needed; the kept
         episodes of incomplete groups are counted as discarded."""
         rest = [g for g in self.groups.values() if not g.closed]
-        cancel = [r for g in rest for r in g.running.values()]
-        self.cancelled.update(r.uid for r in cancel)
-        self.counts["cancelled"] += len(cancel)
         self.counts["discarded"] += sum(len(g.kept) for g in rest)
-        for g in self.groups.values():
-            g.running.clear()
-        cancel, self._unsent = self._unsent + cancel, []
+        cancel, self._unsent = self._unsent + [r for g in rest for r in self._close(g)], []
         return cancel
 
     def result(self) -> list[_Group]:
