@@ -95,7 +95,7 @@ class AgenticRun:
         self.envq: list[tuple[float, int, int]] = []  # (done time, tie, uid)
         self.waiting: list[_Episode] = []  # lock-step: the phase's barrier
         self.schedule: AsyncSchedule | None = None  # the collect call in progress
-        self.schedules: list[AsyncSchedule] = []
+        self.schedules: list[AsyncSchedule | None] = []  # None: a lock-step call
         self.batch: list[EpisodeRecord] | None = None  # the collected batch, not yet trained
         self.ended: dict[int, str] = {}
         self.owner: dict[int, int] = {}  # uid -> index of its collect call
@@ -219,7 +219,7 @@ class AgenticRun:
             self._lock_batch = [
                 EpisodeRecord(uid=next(self._uids), group=i // g, seed=i // g) for i in range(n)
             ]
-            self.schedules.append(None)  # type: ignore[arg-type]
+            self.schedules.append(None)
             self._launch(self._lock_batch, None)
             return
         self.schedule = AsyncSchedule.plan(
