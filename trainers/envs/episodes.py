@@ -32,7 +32,16 @@ from trainers.envs.turns import TurnEncoder
 from trainers.envs.workers import EnvResult, EnvWorkers
 from trainers.envs.wrappers import StateIdEnv
 
-__all__ = ["FAILURES", "MODES", "AsyncSchedule", "EpisodeBatch", "EpisodeRecord", "EpisodeRunner"]
+__all__ = [
+    "FAILURES",
+    "MODES",
+    "AsyncSchedule",
+    "EpisodeBatch",
+    "EpisodeRecord",
+    "EpisodeRunner",
+    "LockstepSchedule",
+    "VersionFloor",
+]
 
 #: the scheduling modes of :meth:`EpisodeRunner.collect`
 MODES = ("lockstep", "async")
@@ -116,20 +125,49 @@ class _Group:
     closed: bool = False
 
 
-class _Control:
-    """Shared state of one collect call: cancellations and the version floor."""
+class VersionFloor:
+    """The per-turn staleness rule of one collect call, in one place.
+
+    ``version_floor`` (a callable, or None for no rule) gives the oldest admissible policy
+    version; it is read before every turn and when the turn's action comes back. An episode
+    holding a turn older than the floor is ``stale`` (dropped and replaced by the schedule), and
+    so is a turn that comes back written by older weights. :class:`EpisodeRunner` and
+    ``benchmarks/sim/agentic.py`` both ask this object.
+
+    >>> f = VersionFloor(lambda: 3)
+    >>> f.admits(2), f.admits(3), f.admits(2, floor=1)
+    (False, True, True)
+    >>> rec = EpisodeRecord(uid=0, group=0, seed=0); rec.versions = [2, 4]
+    >>> f.stale(rec), VersionFloor(None).stale(rec)
+    (True, False)
+    """
 
     def __init__(self, version_floor: Callable[[], int] | None) -> None:
         self.version_floor = version_floor
-        self.cancelled: set[int] = set()
-        self.events: queue.Queue[EpisodeRecord] = queue.Queue()
 
     def floor(self) -> int | None:
+        """The oldest admissible version now (None: no rule)."""
         return None if self.version_floor is None else int(self.version_floor())
 
+    def admits(self, version: int, floor: int | None = None) -> bool:
+        """Whether a turn written by ``version`` may be kept: not older than ``floor`` (a floor
+        read earlier, as lock-step reads it once per turn; default: the floor now)."""
+        f = self.floor() if floor is None else floor
+        return f is None or version >= f
+
     def stale(self, rec: EpisodeRecord) -> bool:
-        f = self.floor()
-        return f is not None and bool(rec.versions) and min(rec.versions) < f
+        """Whether ``rec`` holds a turn older than the floor now."""
+        return bool(rec.versions) and not self.admits(min(rec.versions))
+
+
+class _Control(VersionFloor):
+    """Shared state of one collect call: the version floor, cancellations and the finished
+    records (the threads' events)."""
+
+    def __init__(self, version_floor: Callable[[], int] | None) -> None:
+        super().__init__(version_floor)
+        self.cancelled: set[int] = set()
+        self.events: queue.Queue[EpisodeRecord] = queue.Queue()
 
 
 @dataclass(frozen=True)
@@ -368,8 +406,7 @@ class EpisodeRunner:
                     rec.status = "cancelled"
                     return
                 self._check_sample(g, context)
-                floor = ctl.floor()
-                if floor is not None and g.policy_version < floor:
+                if not ctl.admits(g.policy_version):
                     rec.status = "stale"
                     return
                 with self._tok_lock:
@@ -511,7 +548,7 @@ class EpisodeRunner:
                 for r, g, text, res in zip(active, gens, texts, results):
                     context, obs_ids, state_id = state[r.uid]
                     self._check_sample(g, context)
-                    if floor is not None and g.policy_version < floor:
+                    if not ctl.admits(g.policy_version, floor):
                         r.status = "stale"
                         continue
                     nxt = self._apply(r, context, obs_ids, state_id, g, text, res)
@@ -703,44 +740,124 @@ def _collect_async(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -
     return schedule.result()
 
 
-def _collect_lockstep(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -> list[_Group]:
-    """The ``lockstep`` schedule: rounds of :meth:`EpisodeRunner._play_lockstep` over the
-    missing episodes of the ``call.groups`` groups until each has ``call.group_size``; a
-    group that fails ``call.max_attempts`` times gives way to a spare seed."""
-    seeds, needed, group_size, max_attempts = call.seeds, call.groups, call.group_size, call.max_attempts
-    ctl = _Control(call.version_floor)
-    groups = [_Group(i, s) for i, s in enumerate(seeds[:needed])]
-    spare = deque(list(enumerate(seeds))[needed:])
-    while True:
-        todo = [g for g in groups if not g.closed and len(g.kept) < group_size]
-        if not todo:
-            break
+class LockstepSchedule:
+    """The decisions of the ``lockstep`` schedule, free of threads and clocks.
+
+    Rounds: each plays the missing episodes of the open task groups together (how is the
+    driver's business: :meth:`EpisodeRunner._play_lockstep` makes one engine call per turn for
+    all of them, then steps all their environments). After a round, a group that cannot reach
+    ``group_size`` kept episodes within ``max_attempts`` launches is abandoned (its kept
+    episodes discarded) and a spare seed takes its place; the next round replays what is
+    missing. A driver calls :meth:`round`, plays the records, hands them (``status`` set) to
+    :meth:`played`, until :attr:`done`, then takes :meth:`result`.
+    :meth:`EpisodeRunner.collect` drives it; so does ``benchmarks/sim/agentic.py``.
+
+    >>> from trainers.engines.base import SamplingParams
+    >>> s = LockstepSchedule.plan([7, 8, 9], SamplingParams(max_tokens=4), groups=2, group_size=2, max_attempts=3)
+    >>> recs = s.round(); [(r.uid, r.seed) for r in recs]
+    [(0, 7), (1, 7), (2, 8), (3, 8)]
+    >>> for r, status in zip(recs, ["done", "error", "error", "done"]): r.status = status
+    >>> s.played(recs); recs = s.round(); [(r.uid, r.seed) for r in recs]
+    [(4, 7), (5, 8)]
+    >>> recs[0].status, recs[1].status = "done", "error"
+    >>> s.played(recs); recs = s.round(); [(r.uid, r.seed) for r in recs]
+    [(6, 9), (7, 9)]
+    >>> for r in recs: r.status = "done"
+    >>> s.played(recs); s.done, [g.seed for g in s.result()]
+    (True, [7, 9])
+    >>> {k: s.counts[k] for k in ("launched", "error", "replaced", "abandoned", "discarded")}
+    {'launched': 8, 'error': 3, 'replaced': 2, 'abandoned': 1, 'discarded': 1}
+    """
+
+    def __init__(
+        self, call: _Call, counts: dict[str, int] | None = None, uids: Iterator[int] | None = None
+    ) -> None:
+        self.call = call
+        self.counts = dict.fromkeys(_COUNTS, 0) if counts is None else counts
+        self._uids = itertools.count() if uids is None else uids
+        self.groups = [_Group(i, s) for i, s in enumerate(call.seeds[: call.groups])]
+        self._spare = deque(list(enumerate(call.seeds))[call.groups :])
+
+    @classmethod
+    def plan(
+        cls,
+        seeds: Sequence[int],
+        params: SamplingParams,
+        *,
+        groups: int | None = None,
+        group_size: int = 1,
+        version_floor: Callable[[], int] | None = None,
+        max_attempts: int | None = None,
+        uids: Iterator[int] | None = None,
+    ) -> LockstepSchedule:
+        """A schedule of the arguments of :meth:`EpisodeRunner.collect` (``mode="lockstep"``),
+        checked as it checks them; ``uids`` numbers the records (default from 0)."""
+        call = _check_collect(
+            seeds, params, groups, group_size, "lockstep", 0, None, version_floor, max_attempts
+        )
+        return cls(call, uids=uids)
+
+    def _todo(self) -> list[_Group]:
+        return [g for g in self.groups if not g.closed and len(g.kept) < self.call.group_size]
+
+    @property
+    def done(self) -> bool:
+        """Every task group has ``group_size`` kept episodes."""
+        return not self._todo()
+
+    def round(self) -> list[EpisodeRecord]:
+        """The next round: the missing episodes of every incomplete group, in group order."""
         recs = []
-        for g in todo:
-            for _ in range(group_size - len(g.kept)):
-                recs.append(EpisodeRecord(uid=next(runner._uids), group=g.index, seed=g.seed))
+        for g in self._todo():
+            for _ in range(self.call.group_size - len(g.kept)):
+                recs.append(EpisodeRecord(uid=next(self._uids), group=g.index, seed=g.seed))
                 g.launched += 1
-                counts["launched"] += 1
-                counts["replaced"] += g.launched > group_size  # beyond the originals
-        runner._play_lockstep(recs, call.params, ctl)
-        by_index = {g.index: g for g in groups}
+                self.counts["launched"] += 1
+                self.counts["replaced"] += g.launched > self.call.group_size  # beyond the originals
+        return recs
+
+    def played(self, recs: Sequence[EpisodeRecord]) -> None:
+        """Take a played round (every record's ``status`` set): keep the ``done`` episodes, count
+        the failures, abandon the groups that cannot complete for spare seeds. ``RuntimeError``
+        when a group is abandoned with no spare seed left."""
+        by_index = {g.index: g for g in self.groups}
+        for rec in recs:
+            if rec.status != "done" and rec.status not in FAILURES:
+                raise RuntimeError(f"episode {rec.uid}: played with status {rec.status!r}")
+        todo = [by_index[i] for i in dict.fromkeys(r.group for r in recs)]
         for rec in recs:
             g = by_index[rec.group]
             if rec.status == "done":
                 g.kept.append(rec)
             else:
-                counts[rec.status] += 1
-        for g in list(todo):
-            if len(g.kept) < group_size and g.launched + (group_size - len(g.kept)) > max_attempts:
+                self.counts[rec.status] += 1
+        size, most = self.call.group_size, self.call.max_attempts
+        for g in todo:
+            if len(g.kept) < size and g.launched + (size - len(g.kept)) > most:
                 g.closed = True
-                counts["abandoned"] += 1
-                counts["discarded"] += len(g.kept)
-                groups.remove(g)
-                if not spare:
+                self.counts["abandoned"] += 1
+                self.counts["discarded"] += len(g.kept)
+                self.groups.remove(g)
+                if not self._spare:
                     raise RuntimeError(
-                        f"rollout: {counts['abandoned']} task groups abandoned after {max_attempts} "
+                        f"rollout: {self.counts['abandoned']} task groups abandoned after {most} "
                         "attempts each and no spare seeds left"
                     )
-                index, seed = spare.popleft()
-                groups.append(_Group(index, seed))
-    return groups
+                index, seed = self._spare.popleft()
+                self.groups.append(_Group(index, seed))
+
+    def result(self) -> list[_Group]:
+        """The task groups kept (abandoned ones left out; spares in the order they opened)."""
+        return list(self.groups)
+
+
+def _collect_lockstep(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -> list[_Group]:
+    """The ``lockstep`` schedule (:class:`LockstepSchedule`) driven by rounds of
+    :meth:`EpisodeRunner._play_lockstep`."""
+    schedule = LockstepSchedule(call, counts, runner._uids)
+    ctl = _Control(call.version_floor)
+    while not schedule.done:
+        recs = schedule.round()
+        runner._play_lockstep(recs, call.params, ctl)
+        schedule.played(recs)
+    return schedule.result()
