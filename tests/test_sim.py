@@ -237,6 +237,34 @@ def test_agentic_runs_the_real_async_schedule(group_size, failure, redundancy, s
     assert len(run.trained) == s.steps * s.batch
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    group_size=st.sampled_from([1, 2, 4]),
+    failure=st.sampled_from([0.0, 0.05, 0.15]),
+    seed=st.integers(0, 3),
+)
+def test_agentic_runs_the_real_lockstep_schedule(group_size, failure, seed):
+    """Lock-step is the runner's own LockstepSchedule: an episode whose environment fails
+    leaves its round and is replayed in another round (each a full set of turns), so failures
+    cost lock-step whole rounds; every run's invariants hold."""
+    cost = gpu_model("7B").with_(env=Latency("gauss", 10.0, 5.0))
+    s = AgenticSetting(
+        batch=8, turns=3, lengths=Lengths(64, 0.5, 256), cost=cost, engines=2, steps=3,
+        group_size=group_size, failure=failure, seed=seed,
+    )  # fmt: skip
+    run = AgenticRun(s, "lockstep")
+    per_step = run.run()  # checks the invariants
+    calls = [c for c in run.schedules if c.done]
+    assert len(calls) == s.steps and len(run.trained) == s.steps * s.batch
+    total = {k: sum(c.counts[k] for c in calls) for k in ("launched", "error", "replaced", "cancelled")}
+    assert total["cancelled"] == 0  # lock-step cancels nothing
+    assert total["launched"] == s.steps * s.batch + total["error"] + sum(c.counts["discarded"] for c in calls)
+    assert per_step > 0 and len(run.rounds) == len(run.schedules)
+    for call, rounds in zip(run.schedules, run.rounds):  # a failure costs its call another round
+        assert rounds >= 1 + (call.counts["error"] > 0)
+    assert sum(run.rounds) > s.steps or total["error"] == 0
+
+
 def test_lengths_parse_and_file(tmp_path):
     d = Lengths.parse("lognormal:median=100,sigma=0.5,cap=300,prompt=0.5")
     assert d.cap == 300 and d.natural(1, 2) == d.natural(1, 2)

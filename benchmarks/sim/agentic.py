@@ -5,8 +5,11 @@ step whose latency is drawn from ``cost.env``: ROLL Flash / RollArt's Gaussian, 
 1-10 s; with probability ``failure`` the step fails). The agentic trainer's modes
 (``trainers/loops/agentic.py``, ROLL Flash section 5.2):
 
-* ``lockstep``: every turn is one batched generation, then every environment steps (two
-  barriers per turn), as ``EpisodeRunner``'s lock-step schedule; no failures;
+* ``lockstep``: rounds of the real :class:`~trainers.envs.episodes.LockstepSchedule`,
+  unmodified (the missing episodes of every open task group, a group abandoned for a spare seed
+  after ``max_attempts``); this module plays a round as ``EpisodeRunner._play_lockstep`` does:
+  every turn is one batched generation, then every environment steps (two barriers per turn),
+  and an episode whose environment step fails leaves the round and is replayed in the next;
 * ``env-async``: each episode proceeds alone. The decisions (launch, replace a failed or stale
   episode, abandon a group, keep the first complete groups, cancel the rest) are the real
   :class:`~trainers.envs.episodes.AsyncSchedule`'s, unmodified; this module plays the episodes
@@ -16,7 +19,8 @@ step whose latency is drawn from ``cost.env``: ROLL Flash / RollArt's Gaussian, 
 
 and, as the trainer does with ``rollout.max_staleness`` = k >= 1, the next batch collected
 while the current one trains, every turn checked against the version floor ``version - k``
-(an episode holding an older turn is dropped as stale and replaced by the schedule).
+(an episode holding an older turn is dropped as stale and replaced by the schedule; the rule
+is the runner's :class:`~trainers.envs.episodes.VersionFloor`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from benchmarks.sim.engine import INF, RunList, SimEngine
 from benchmarks.sim.lengths import Lengths
 from trainers.engines.base import SamplingParams
 from trainers.engines.requests import Request
-from trainers.envs.episodes import AsyncSchedule, EpisodeRecord
+from trainers.envs.episodes import AsyncSchedule, EpisodeRecord, LockstepSchedule, VersionFloor
 
 __all__ = ["MODES", "AgenticRun", "AgenticSetting", "run_agentic"]
 
@@ -56,18 +60,22 @@ class AgenticSetting:
     failure: float = 0.0  # probability that one environment step fails (the episode is replaced)
 
 
+Schedule = AsyncSchedule | LockstepSchedule
+
+
 class _Episode:
     __slots__ = ("ctx", "rec", "schedule", "turn")
 
-    def __init__(self, rec: EpisodeRecord, schedule: AsyncSchedule | None, ctx: int) -> None:
+    def __init__(self, rec: EpisodeRecord, schedule: Schedule, ctx: int) -> None:
         self.rec, self.schedule, self.ctx, self.turn = rec, schedule, ctx, 0
 
 
 class AgenticRun:
     """One simulated run of a mode (module docstring); :meth:`run` returns seconds per step.
 
-    After a run, ``schedules`` holds the collect calls' :class:`AsyncSchedule` objects (their
-    ``counts``: launched, stale, error, replaced, cancelled, ...), ``ended`` how each launched
+    After a run, ``schedules`` holds the collect calls' schedule objects (:class:`AsyncSchedule`
+    or :class:`LockstepSchedule`; their ``counts``: launched, stale, error, replaced, cancelled,
+    ...), ``rounds`` the lock-step rounds of each call, ``ended`` how each launched
     episode ended (``done`` / ``stale`` / ``error`` / ``cancelled``, or ``running``) and
     ``trained`` the uids trained, in order; :meth:`check` verifies the invariants."""
 
@@ -78,8 +86,8 @@ class AgenticRun:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
         if s.batch % s.group_size:
             raise ValueError(f"batch: {s.batch} episodes is not a multiple of group_size={s.group_size}")
-        if mode == "lockstep" and (max_staleness or s.failure):
-            raise ValueError("mode: lockstep is simulated synchronous (max_staleness 0) and without failures")
+        if mode == "lockstep" and max_staleness:
+            raise ValueError("mode: lockstep is simulated synchronous (max_staleness 0)")
         if max_staleness < 0 or redundancy < 0:
             raise ValueError(f"max_staleness / redundancy: must be >= 0, got {max_staleness} / {redundancy}")
         self.s, self.mode, self.max_staleness = s, mode, max_staleness
@@ -91,25 +99,24 @@ class AgenticRun:
             for _ in range(s.engines)
         ]
         self.version = 0
+        self.floor = VersionFloor(self._floor if max_staleness else None)
         self.live: dict[int, _Episode] = {}
         self.envq: list[tuple[float, int, int]] = []  # (done time, tie, uid)
         self.waiting: list[_Episode] = []  # lock-step: the phase's barrier
-        self.schedule: AsyncSchedule | None = None  # the collect call in progress
-        self.schedules: list[AsyncSchedule | None] = []  # None: a lock-step call
+        self.schedule: Schedule | None = None  # the collect call in progress
+        self.schedules: list[Schedule] = []
+        self._round: list[EpisodeRecord] = []  # lock-step: the round being played
+        self.rounds: list[int] = []  # lock-step: rounds played per collect call
         self.batch: list[EpisodeRecord] | None = None  # the collected batch, not yet trained
         self.ended: dict[int, str] = {}
         self.owner: dict[int, int] = {}  # uid -> index of its collect call
         self.trained: list[int] = []
-        self._lock_batch: list[EpisodeRecord] = []
         self._tie, self._seeds, self._uids = itertools.count(), itertools.count(), itertools.count()
 
     # ---------------------------------------------------------------- one episode
 
     def _floor(self) -> int:
         return self.version - self.max_staleness
-
-    def _stale(self, rec: EpisodeRecord) -> bool:
-        return bool(self.max_staleness) and bool(rec.versions) and min(rec.versions) < self._floor()
 
     def _generate(self, ep: _Episode) -> None:
         uid = ep.rec.uid
@@ -120,7 +127,7 @@ class AgenticRun:
 
     def _turn(self, ep: _Episode) -> None:
         """Start the next turn of ``ep``, or drop it as stale (the runner checks before a turn)."""
-        if self._stale(ep.rec):
+        if self.floor.stale(ep.rec):
             self._end(ep, "stale")
         else:
             self._generate(ep)
@@ -130,7 +137,7 @@ class AgenticRun:
         if ep is None:
             return
         version = min(r.token_versions.values())  # the oldest weights that wrote the turn
-        if self.max_staleness and version < self._floor():
+        if not self.floor.admits(version):
             self._end(ep, "stale")
             return
         ep.rec.versions.append(version)
@@ -153,18 +160,19 @@ class AgenticRun:
             return
         ep.turn += 1
         if ep.turn == self.s.turns:
-            self._end(ep, "stale" if self._stale(ep.rec) else "done")
+            self._end(ep, "stale" if self.floor.stale(ep.rec) else "done")
         elif self.mode == "lockstep":
             self._barrier(ep)
         else:
             ep.ctx += self.s.obs_len
             self._turn(ep)
 
-    def _barrier(self, ep: _Episode) -> None:
+    def _barrier(self, ep: _Episode | None) -> None:
         """Lock-step: one phase (generate, or environment step) of every live episode ends
-        before the next phase starts."""
-        self.waiting.append(ep)
-        if len(self.waiting) < len(self.live):
+        before the next phase starts (``ep`` None: an episode left the round)."""
+        if ep is not None:
+            self.waiting.append(ep)
+        if not self.waiting or len(self.waiting) < len(self.live):
             return
         eps, self.waiting = self.waiting, []
         for e in eps:
@@ -178,9 +186,8 @@ class AgenticRun:
         rec = ep.rec
         del self.live[rec.uid]
         rec.status = self.ended[rec.uid] = status
-        if ep.schedule is None:  # lock-step: the batch is done when its last episode is
-            if not self.live:
-                self.batch = self._lock_batch
+        if isinstance(ep.schedule, LockstepSchedule):
+            self._lockstep_ended(ep.schedule)
             return
         if ep.schedule is not self.schedule:
             return  # a finished collect call no longer reads its episodes
@@ -192,7 +199,25 @@ class AgenticRun:
             self.batch = [r for g in ep.schedule.result() for r in g.kept]
             self.schedule = None
 
-    def _launch(self, recs: list[EpisodeRecord], schedule: AsyncSchedule | None) -> None:
+    def _lockstep_ended(self, schedule: LockstepSchedule) -> None:
+        """An episode of the round ended: the others may be waiting at the barrier for it; the
+        round over, the schedule takes it and plays the next one or gives the batch."""
+        if self.live:
+            self._barrier(None)
+            return
+        schedule.played(self._round)
+        if schedule.done:
+            self.batch = [r for g in sorted(schedule.result(), key=lambda g: g.index) for r in g.kept]
+            self.schedule = None
+        else:
+            self._play_round(schedule)
+
+    def _play_round(self, schedule: LockstepSchedule) -> None:
+        self.rounds[-1] += 1
+        self._round = schedule.round()
+        self._launch(self._round, schedule)
+
+    def _launch(self, recs: list[EpisodeRecord], schedule: Schedule) -> None:
         for rec in recs:
             self.ended[rec.uid] = "running"
             self.owner[rec.uid] = len(self.schedules) - 1
@@ -215,12 +240,16 @@ class AgenticRun:
     def _collect(self) -> None:
         """Start one collect call (as the trainer's ``collect``: fresh task seeds, two spares)."""
         if self.mode == "lockstep":
-            g, n = self.s.group_size, self.groups * self.s.group_size
-            self._lock_batch = [
-                EpisodeRecord(uid=next(self._uids), group=i // g, seed=i // g) for i in range(n)
-            ]
-            self.schedules.append(None)
-            self._launch(self._lock_batch, None)
+            self.schedule = LockstepSchedule.plan(
+                [next(self._seeds) for _ in range(self.groups + 2)],
+                SamplingParams(max_tokens=1),
+                groups=self.groups,
+                group_size=self.s.group_size,
+                uids=self._uids,
+            )
+            self.schedules.append(self.schedule)
+            self.rounds.append(0)
+            self._play_round(self.schedule)
             return
         self.schedule = AsyncSchedule.plan(
             [next(self._seeds) for _ in range(self.launch_groups + 2)],
@@ -301,7 +330,7 @@ class AgenticRun:
         for uid, status in self.ended.items():
             by_call.setdefault(self.owner[uid], []).append(status)
         for i, sched in enumerate(self.schedules):
-            if sched is None or not sched.done:
+            if not sched.done:
                 continue
             ends, c = by_call[i], sched.counts
             want = {
