@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rollkit.trajectory import TrajectoryBatch, Turn, build_batch
 from trainers.engines.base import Generation, SamplingParams
@@ -582,7 +582,52 @@ class EpisodeRunner:
 # --------------------------------------------------------------------------- schedules
 
 
-class AsyncSchedule:
+_S = TypeVar("_S", bound="_Schedule")
+
+
+class _Schedule:
+    """What both schedules share: the checked call, its counters and the record numbering."""
+
+    mode: str
+
+    def __init__(
+        self, call: _Call, counts: dict[str, int] | None = None, uids: Iterator[int] | None = None
+    ) -> None:
+        self.call = call
+        self.counts = dict.fromkeys(_COUNTS, 0) if counts is None else counts
+        self._uids = itertools.count() if uids is None else uids
+
+    @classmethod
+    def plan(
+        cls: type[_S],
+        seeds: Sequence[int],
+        params: SamplingParams,
+        *,
+        groups: int | None = None,
+        group_size: int = 1,
+        redundancy: int = 0,
+        launch_groups: int | None = None,
+        version_floor: Callable[[], int] | None = None,
+        max_attempts: int | None = None,
+        uids: Iterator[int] | None = None,
+    ) -> _S:
+        """A schedule of the arguments of :meth:`EpisodeRunner.collect` with this schedule's
+        ``mode``, checked as it checks them; ``uids`` numbers the records (default from 0)."""
+        call = _check_collect(
+            seeds,
+            params,
+            groups,
+            group_size,
+            cls.mode,
+            redundancy,
+            launch_groups,
+            version_floor,
+            max_attempts,
+        )
+        return cls(call, uids=uids)
+
+
+class AsyncSchedule(_Schedule):
     """The decisions of the ``async`` schedule, free of threads and clocks.
 
     Which episodes to launch, which to cancel and which task groups are complete: the launched
@@ -607,38 +652,17 @@ class AsyncSchedule:
     ([2, 3], [7], 3)
     """
 
+    mode = "async"
+
     def __init__(
         self, call: _Call, counts: dict[str, int] | None = None, uids: Iterator[int] | None = None
     ) -> None:
-        self.call = call
-        self.counts = dict.fromkeys(_COUNTS, 0) if counts is None else counts
-        self._uids = itertools.count() if uids is None else uids
+        super().__init__(call, counts, uids)
         self.groups: dict[int, _Group] = {}
         self.complete: list[_Group] = []
         self.cancelled: set[int] = set()
         self._spare = deque(enumerate(call.seeds))
         self._unsent: list[EpisodeRecord] = []  # closed when finished() raised: close() returns them
-
-    @classmethod
-    def plan(
-        cls,
-        seeds: Sequence[int],
-        params: SamplingParams,
-        *,
-        groups: int | None = None,
-        group_size: int = 1,
-        redundancy: int = 0,
-        launch_groups: int | None = None,
-        version_floor: Callable[[], int] | None = None,
-        max_attempts: int | None = None,
-        uids: Iterator[int] | None = None,
-    ) -> AsyncSchedule:
-        """A schedule of the arguments of :meth:`EpisodeRunner.collect` (``mode="async"``),
-        checked as it checks them; ``uids`` numbers the records (default from 0)."""
-        call = _check_collect(
-            seeds, params, groups, group_size, "async", redundancy, launch_groups, version_floor, max_attempts
-        )
-        return cls(call, uids=uids)
 
     @property
     def done(self) -> bool:
@@ -740,7 +764,7 @@ def _collect_async(runner: EpisodeRunner, call: _Call, counts: dict[str, int]) -
     return schedule.result()
 
 
-class LockstepSchedule:
+class LockstepSchedule(_Schedule):
     """The decisions of the ``lockstep`` schedule, free of threads and clocks.
 
     Rounds: each plays the missing episodes of the open task groups together (how is the
@@ -769,33 +793,14 @@ class LockstepSchedule:
     {'launched': 8, 'error': 3, 'replaced': 2, 'abandoned': 1, 'discarded': 1}
     """
 
+    mode = "lockstep"
+
     def __init__(
         self, call: _Call, counts: dict[str, int] | None = None, uids: Iterator[int] | None = None
     ) -> None:
-        self.call = call
-        self.counts = dict.fromkeys(_COUNTS, 0) if counts is None else counts
-        self._uids = itertools.count() if uids is None else uids
+        super().__init__(call, counts, uids)
         self.groups = [_Group(i, s) for i, s in enumerate(call.seeds[: call.groups])]
         self._spare = deque(list(enumerate(call.seeds))[call.groups :])
-
-    @classmethod
-    def plan(
-        cls,
-        seeds: Sequence[int],
-        params: SamplingParams,
-        *,
-        groups: int | None = None,
-        group_size: int = 1,
-        version_floor: Callable[[], int] | None = None,
-        max_attempts: int | None = None,
-        uids: Iterator[int] | None = None,
-    ) -> LockstepSchedule:
-        """A schedule of the arguments of :meth:`EpisodeRunner.collect` (``mode="lockstep"``),
-        checked as it checks them; ``uids`` numbers the records (default from 0)."""
-        call = _check_collect(
-            seeds, params, groups, group_size, "lockstep", 0, None, version_floor, max_attempts
-        )
-        return cls(call, uids=uids)
 
     def _todo(self) -> list[_Group]:
         return [g for g in self.groups if not g.closed and len(g.kept) < self.call.group_size]
