@@ -34,6 +34,10 @@ Two implementations over the existing engines:
   far, and decodes up to ``chunk_tokens`` tokens for all of them with a KV cache; requests
   added meanwhile join at the next step. Continuous batching at a granularity of
   ``chunk_tokens`` tokens.
+
+:class:`RequestEnginePool` puts several request engines (e.g. one
+:class:`~trainers.ray.RayRequestEngine` per Ray rollout actor) behind one: tail batching drives
+every rollout actor through it.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ __all__ = [
     "HFRequestEngine",
     "Request",
     "RequestEngine",
+    "RequestEnginePool",
     "VLLMRequestEngine",
     "as_request_engine",
 ]
@@ -393,6 +398,105 @@ class HFRequestEngine(_RequestEngineBase):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._gen.set_state(state["generator"])
+
+
+class RequestEnginePool:
+    """Several request engines behind one :class:`RequestEngine`.
+
+    :meth:`add` gives each request to the engine with the fewest running requests (the lowest
+    index on ties); :meth:`step` first starts every engine's step where it can start one
+    without waiting (``start_step``, as :class:`~trainers.ray.RayRequestEngine` has: the Ray
+    actors then step at the same time), then collects each engine's step in order, and returns
+    what finished, in engine order; :meth:`abort` stops each request on the engine that holds
+    it. ``policy_version`` is the oldest of the engines'.
+
+    >>> from trainers.engines.hf_rollout import HFRolloutEngine
+    >>> from trainers.models import char_tokenizer, tiny_qwen2
+    >>> tok = char_tokenizer()
+    >>> engines = [HFRequestEngine(HFRolloutEngine(tiny_qwen2(tok), tok), seed=k) for k in range(2)]
+    >>> pool = RequestEnginePool(engines)
+    >>> pool.add([Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=3, seed=i)) for i in range(3)])
+    >>> [e.num_running for e in engines], pool.num_running
+    ([2, 1], 3)
+    >>> done = []
+    >>> while pool.num_running:
+    ...     done += pool.step()
+    >>> sorted(r.request_id for r in done), [len(r.token_ids) for r in done]
+    (['r0', 'r1', 'r2'], [3, 3, 3])
+    """
+
+    def __init__(self, engines: Sequence[Any]) -> None:
+        self.engines = list(engines)
+        if not self.engines:
+            raise ValueError("engines: a pool needs at least one request engine")
+        self._owner: dict[str, int] = {}  # request id -> index of the engine that holds it
+
+    @property
+    def policy_version(self) -> int:
+        return min(int(e.policy_version) for e in self.engines)
+
+    @property
+    def num_running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        requests = list(requests)
+        held = set(self._owner)
+        for r in requests:
+            _check_new(r, held)
+            held.add(r.request_id)
+        load = [e.num_running for e in self.engines]
+        parts: list[list[Request]] = [[] for _ in self.engines]
+        for r in requests:
+            k = min(range(len(load)), key=lambda i: (load[i], i))
+            parts[k].append(r)
+            load[k] += 1
+        for k, part in enumerate(parts):
+            if part:
+                self.engines[k].add(part)
+                self._owner.update((r.request_id, k) for r in part)
+
+    def step(self) -> list[Request]:
+        busy = [e for e in self.engines if e.num_running]
+        for e in busy:
+            start = getattr(e, "start_step", None)
+            if start is not None:
+                start()
+        done: list[Request] = []
+        error: BaseException | None = None
+        for e in busy:  # every started step is collected, also after one of them failed
+            try:
+                done += e.step()
+            except BaseException as exc:  # re-raised below, once every step is collected
+                error = error or exc
+        for r in done:
+            self._owner.pop(r.request_id, None)
+        if error is not None:
+            raise error
+        return done
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
+        if request_ids is None:
+            by_engine: dict[int, list[str] | None] = dict.fromkeys(range(len(self.engines)))
+        else:
+            by_engine = {}
+            for i in request_ids:
+                if i in self._owner:
+                    ids = by_engine.setdefault(self._owner[i], [])
+                    assert ids is not None
+                    ids.append(i)
+        stopped: list[Request] = []
+        for k, ids in by_engine.items():
+            stopped += self.engines[k].abort(ids)
+        for r in stopped:
+            self._owner.pop(r.request_id, None)
+        return stopped
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load the same weights into every engine (each refuses while it runs requests)."""
+        weights = list(named_tensors)
+        for e in self.engines:
+            e.update_weights(weights, version)
 
 
 def as_request_engine(engine: Any, *, chunk_tokens: int = 16, seed: int = 0) -> RequestEngine:
