@@ -44,7 +44,6 @@ __all__ = [
     "validate",
     "validate_agentic",
     "validate_async",
-    "validate_sync",
     "AlgorithmConfig",
     "AsyncConfig",
     "CheckpointConfig",
@@ -1105,28 +1104,12 @@ def _check_tail_batching(c: Config) -> None:
     tb = c.tail_batching
     if not tb.enabled:
         return
-    if c.ray.enabled:
-        raise ValueError(
-            "tail_batching.enabled: tail batching drives a request-level rollout engine "
-            "(rollout.engine=hf, vllm or server in this process); ray.enabled=true uses a Ray rollout "
-            "group, which has none: set ray.enabled=false or tail_batching.enabled=false"
-        )
     for name, eta in (
         ("tail_batching.eta_prompts", tb.eta_prompts),
         ("tail_batching.eta_responses", tb.eta_responses),
     ):
         if not (math.isfinite(eta) and eta >= 1):
             raise ValueError(f"{name} must be a finite number >= 1 (1: no over-provisioning), got {eta}")
-
-
-def validate_sync(cfg: Config) -> None:
-    """The checks only the synchronous trainer needs (:class:`trainers.loops.SyncTrainer`)."""
-    if cfg.rollout.length_dist and cfg.ray.enabled:
-        raise ValueError(
-            "rollout.length_dist: per-request lengths need a request-level rollout engine, which the "
-            "synchronous trainer's Ray rollout group does not have: set ray.enabled=false, or "
-            "asynchronous.enabled=true (the queue scheduler over the Ray actors)"
-        )
 
 
 def validate_async(cfg: Config) -> None:

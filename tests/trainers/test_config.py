@@ -219,16 +219,15 @@ def test_rollout_lora_weights_and_engine_temperature_are_checked(args, match):
         validate(load_config(args))
 
 
-def test_sync_trainer_on_ray_refuses_per_request_lengths():
-    """The synchronous trainer's Ray rollout group has no request-level view; the asynchronous
-    trainer (the queue scheduler over the actors) takes rollout.length_dist on Ray."""
-    from trainers.config import validate, validate_async, validate_sync
+def test_per_request_lengths_and_tail_batching_validate_on_ray():
+    """Every trainer takes rollout.length_dist and tail batching on Ray: the synchronous one
+    drives the Ray rollout actors through their request engines (test_ray_trainer.py)."""
+    from trainers.config import validate, validate_async
 
-    cfg = load_config(
-        ["rollout.length_dist=lognormal:8:1", "ray.enabled=true", "placement.mode=disaggregated"]
-    )
-    validate(cfg)
-    validate_async(cfg)
-    with pytest.raises(ValueError, match=r"rollout\.length_dist: per-request lengths"):
-        validate_sync(cfg)
-    validate_sync(load_config(["rollout.length_dist=lognormal:8:1"]))
+    for extra in ([], ["tail_batching.enabled=true"]):
+        cfg = load_config(
+            ["rollout.length_dist=lognormal:8:1", "ray.enabled=true", "placement.mode=disaggregated", *extra]
+        )
+        validate(cfg)
+        if not extra:
+            validate_async(cfg)

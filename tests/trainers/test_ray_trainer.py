@@ -30,6 +30,7 @@ from trainers.config import load_config
 from trainers.engines import SamplingParams, TorchTrainEngine, pack_generations
 from trainers.learner import LocalLearner, UpdateSpec, supervised_warmup
 from trainers.loops import SyncTrainer
+from trainers.loops.lengths import LengthSampler
 from trainers.models import char_tokenizer, tiny_qwen2
 from trainers.ray import plan_bundles
 
@@ -272,6 +273,101 @@ def test_async_on_ray_vllm_actor(cluster, tok, warm_model_32, tmp_path):
         assert sum(h["async/stopped_in_flight"] for h in hist) > 0
         assert 0 <= out["accuracy_after"] <= 1
         assert ray.get(tr.rollout.actors[0].__ray_call__.remote(lambda self: self.engine.policy_version)) == 4
+    assert _no_leaks()
+
+
+# RollPacker's tail batching, W1 scaled down (test_tail_batching_trainer.py's settings): a short
+# round launches 3 prompts x 3 responses for P0 = R0 = 2; two short rounds queue two prompts,
+# the third step is their long round.
+TAIL = ["tail_batching.enabled=true", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=32",
+        "rollout.length_dist=lognormal:4:1.5", "rollout.chunk_tokens=2", "train.micro_batch_size=4",
+        "train.lr=1e-3", "train.steps=3"]  # fmt: skip
+
+
+def _rollout_metrics(m):
+    """A step's rollout-side metrics (what the round generated and kept), no timings."""
+    keep = ("reward/", "response/", "tail/", "accuracy/")
+    return {k: v for k, v in m.items() if k.startswith(keep)}
+
+
+@pytest.mark.slow
+def test_tail_batching_on_ray_one_actor_is_the_in_process_round(cluster, tok, warm_model, tmp_path):
+    """One rollout actor, one train rank: the first round on Ray generates, keeps and aborts
+    exactly what the same round does in this process (the actor's request engine is renewed
+    every round with the round's seed, as the in-process view is)."""
+    args = [*BASE, *TAIL, "train.steps=1", "placement.cpus_per_worker=1"]
+    runs = {}
+    for ray_on in ("false", "true"):
+        cfg = load_config([*args, f"logging.dir={tmp_path / ray_on}", f"ray.enabled={ray_on}"])
+        with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+            assert hasattr(tr.rollout, "actors") == (ray_on == "true")
+            m = tr.step()
+            runs[ray_on] = (_rollout_metrics(m), tr.last_tail_batch)
+    (m_local, b_local), (m_ray, b_ray) = runs["false"], runs["true"]
+    assert m_ray == m_local and m_ray["tail/aborted_responses"] > 0
+    assert b_ray.prompt_ids == b_local.prompt_ids and b_ray.responses == b_local.responses
+    assert _no_leaks()
+
+
+@pytest.mark.slow
+def test_tail_batching_on_ray_two_rollout_actors(cluster, tok, warm_model, tmp_path):
+    """Tail batching on Ray, disaggregated: every round's requests spread over two rollout
+    actors (a RequestEnginePool of RayRequestEngines, both stepping at once), the responses
+    the policy no longer needs aborted on the actors; short, short, then the long round of the
+    two queued prompts, each batch P0 x R0; the actors end with the trainer's weights."""
+    cfg = load_config(
+        [*BASE, *TAIL, f"logging.dir={tmp_path}", "placement.mode=disaggregated", "placement.rollout_workers=2",
+         "placement.cpus_per_worker=1", "placement.rollout_resources={rollout_node: 0.1}",
+         "placement.train_resources={train_node: 0.1}"]
+    )  # fmt: skip
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+        rounds, queued = [], []
+        for _ in range(3):
+            queued.append(list(tr.tail.policy.queue))
+            m = tr.step()
+            b = tr.last_tail_batch
+            rounds.append(b.round)
+            assert len(b.prompt_ids) == 2 and all(len(r) == 2 for r in b.responses)
+            assert m["tail/launched_responses"] == (
+                m["tail/aborted_responses"] + m["tail/discarded_responses"] + 4
+            )
+            # least-loaded: the round's responses split evenly over the two actors
+            assert m["rollout/actor_requests_max"] - m["rollout/actor_requests_min"] <= 1, m
+            assert m["rollout/actor_requests_min"] >= 2
+        assert rounds == ["short", "short", "long"]
+        assert set(tr.last_tail_batch.prompt_ids) == set(queued[2])
+        final = dict(tr.train.weights())
+        for actor in tr.rollout.actors:
+            state = ray.get(
+                actor.__ray_call__.remote(lambda self: dict(self.engine.model.named_parameters()))
+            )
+            assert all(torch.equal(state[k], final[k].to(state[k].dtype)) for k in state)
+            assert ray.get(actor.__ray_call__.remote(lambda self: self.engine.policy_version)) == 3
+    assert _no_leaks()
+
+
+@pytest.mark.slow
+def test_sync_on_ray_per_request_lengths_over_two_actors(cluster, tok, warm_model, tmp_path):
+    """``rollout.length_dist`` in the synchronous trainer on Ray: one request per sample, each
+    with its own budget, spread over both rollout actors (the collector's RequestEnginePool,
+    kept from step to step), every sample within its budget."""
+    cfg = load_config(
+        [*BASE, f"logging.dir={tmp_path}", "placement.mode=disaggregated", "placement.rollout_workers=2",
+         "placement.cpus_per_worker=1", "placement.rollout_resources={rollout_node: 0.1}",
+         "placement.train_resources={train_node: 0.1}", "rollout.prompts_per_step=2", "rollout.n=3",
+         "rollout.max_tokens=32", "rollout.length_dist=lognormal:4:1.5", "train.steps=2"]
+    )  # fmt: skip
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+        hist = [h for h in tr.fit()["history"] if "reward/mean" in h]
+        assert len(hist) == 2
+        pool = tr.collector.request_engine()
+        assert [e.requests_added for e in pool.engines] == [6, 6]  # 2 steps x 6 samples, 3 + 3 each
+        # EOS ignored: every sample runs to its own budget, the sampler's draws in order
+        lengths = LengthSampler(cfg.rollout.length_dist, cap=cfg.rollout.max_tokens, seed=cfg.seed)
+        budgets = [lengths.draw() for _ in range(12)]
+        assert [h["response/length_mean"] for h in hist] == [sum(budgets[:6]) / 6, sum(budgets[6:]) / 6]
+        assert len(set(budgets)) > 1
+        assert pool.num_running == 0
     assert _no_leaks()
 
 

@@ -152,8 +152,6 @@ def test_dynamic_sampling_drops_instead_of_queueing(tmp_path):
 
 
 def test_bad_settings_name_the_field(tmp_path):
-    with pytest.raises(ValueError, match=r"tail_batching\.enabled"):
-        make(tmp_path, *TAIL, "ray.enabled=true", name="ray")
     with pytest.raises(ValueError, match=r"tail_batching\.eta_prompts"):
         make(tmp_path, *TAIL, "tail_batching.eta_prompts=0.5", name="eta")
     # A rollout role without a request-level view (here a train engine in the rollout's place).

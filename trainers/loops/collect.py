@@ -28,9 +28,10 @@ from rollkit.scheduling import EpochSampler, TailBatch, TailBatchingPolicy
 from trainers.config import Config
 from trainers.data import Prompt, PromptIterator
 from trainers.engines.base import Generation, SamplingParams, iter_generations
-from trainers.engines.requests import Request, as_request_engine
+from trainers.engines.requests import Request, RequestEnginePool, as_request_engine
 from trainers.loops.common import Codec, Timer
 from trainers.loops.lengths import LengthSampler
+from trainers.ray import RayRequestEngine
 from trainers.rewards import RewardPool
 
 __all__ = ["Group", "GroupCollector", "RequestMaker", "TailCollector", "sampling_params"]
@@ -114,6 +115,32 @@ def _rollout_metrics(
     return metrics
 
 
+def request_view(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -> Any:
+    """The request-level view of the rollout role: over a Ray rollout group (``actors``), a
+    :class:`~trainers.engines.requests.RequestEnginePool` of one
+    :class:`~trainers.ray.RayRequestEngine` per actor (actor ``k`` seeded ``seed + k``; with
+    ``renew`` every actor builds its view again, as a tail-batching round asks); otherwise
+    :func:`~trainers.engines.requests.as_request_engine` (``renew`` changes nothing: the
+    view is made here)."""
+    chunk = cfg.rollout.chunk_tokens
+    actors = getattr(rollout, "actors", None)
+    if actors is None:
+        return as_request_engine(rollout, chunk_tokens=chunk, seed=seed)
+    return RequestEnginePool(
+        [
+            RayRequestEngine(
+                a,
+                chunk_tokens=chunk,
+                seed=seed + k,
+                timeout_s=cfg.ray.timeout_s,
+                name=f"rollout actor {k}",
+                renew=renew,
+            )
+            for k, a in enumerate(actors)
+        ]
+    )
+
+
 class GroupCollector:
     """n samples per prompt, scored as they finish, with dynamic-sampling refills (module docstring).
 
@@ -141,9 +168,7 @@ class GroupCollector:
         """The request-level view of the rollout engine, built on first use and kept (its sampler
         state carries over from step to step)."""
         if self._requests is None:
-            self._requests = as_request_engine(
-                self.rollout, chunk_tokens=self.cfg.rollout.chunk_tokens, seed=self.cfg.seed
-            )
+            self._requests = request_view(self.rollout, self.cfg, self.cfg.seed)
         return self._requests
 
     def collect(self, step: int, timer: Timer) -> tuple[list[Group], dict[str, float], list[int]]:
@@ -254,11 +279,12 @@ class TailCollector:
         maker: RequestMaker,
     ) -> None:
         try:
-            as_request_engine(rollout)
+            if not hasattr(rollout, "actors"):  # a Ray rollout group: its actors' request engines
+                as_request_engine(rollout)
         except TypeError:
             raise ValueError(
                 f"tail_batching.enabled: tail batching needs a request-level rollout engine (an HF or "
-                f"vLLM rollout engine, or a RequestEngine), got {type(rollout).__name__}"
+                f"vLLM rollout engine, a RequestEngine or Ray rollout actors), got {type(rollout).__name__}"
             ) from None
         self.cfg, self.rollout, self.rewards, self.codec, self.maker = cfg, rollout, rewards, codec, maker
         self.prompts = prompts
@@ -273,12 +299,13 @@ class TailCollector:
         )
         self.sampler = EpochSampler(len(prompts), seed=cfg.seed)
         self.last_batch: TailBatch | None = None  # the latest round's batch (prompt ids, round)
+        self.engine_requests: list[int] = []  # Ray: requests each rollout actor got in the latest round
 
     def _engine(self, step: int) -> Any:
         """A fresh request-level view seeded from ``(seed, step)``: a step depends only on the
         checkpointed state (the views hold nothing between rounds: every request ends in its round)."""
         seed = (self.cfg.seed * 1_000_003 + step * 1009) % (2**31)
-        return as_request_engine(self.rollout, chunk_tokens=self.cfg.rollout.chunk_tokens, seed=seed)
+        return request_view(self.rollout, self.cfg, seed, renew=True)
 
     def collect(self, step: int, timer: Timer) -> tuple[list[Group], dict[str, float], list[int]]:
         plan = self.policy.plan_step(self.sampler)
@@ -354,6 +381,8 @@ class TailCollector:
                 t_submit += time.perf_counter() - t1
         finally:  # the round is over (or failed): nothing of it may keep running
             lens += [len(a.token_ids) for a in eng.abort([x for v in names.values() for x in v])]
+            if isinstance(eng, RequestEnginePool):
+                self.engine_requests = [e.requests_added for e in eng.engines]
             if not complete:  # roll the round back: its prompts are launched again next step
                 policy.load_state_dict(policy.state_dict())
         timer.t["rollout"] += time.perf_counter() - t0 - t_submit
@@ -374,6 +403,9 @@ class TailCollector:
         for p, _, rs in groups:
             acc[p.data_source] += rs
         metrics.update({f"accuracy/{src}": sum(rs) / len(rs) for src, rs in acc.items()})
+        if self.engine_requests:  # Ray: how the round's requests spread over the rollout actors
+            metrics["rollout/actor_requests_min"] = float(min(self.engine_requests))
+            metrics["rollout/actor_requests_max"] = float(max(self.engine_requests))
         metrics["tail/round"] = float(batch.round == "long")
         metrics.update(batch.metrics)
         metrics.update({f"tail/total_{k}": float(v) for k, v in self.policy.counts.items()})

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainers.config import Config, validate, validate_sync
+from trainers.config import Config, validate
 from trainers.data import Prompt
 from trainers.engines.base import SamplingParams, iter_generations
 from trainers.loops.collect import GroupCollector, TailCollector
@@ -97,7 +97,6 @@ class SyncTrainer:
         reference: Any = None,
     ) -> None:
         validate(cfg)
-        validate_sync(cfg)
         self.cfg = cfg
         attach(
             self,

@@ -199,9 +199,15 @@ class RolloutWorker:
 
     # request level (:class:`RayRequestEngine`: the asynchronous trainer's queue scheduling)
 
-    def init_requests(self, chunk_tokens: int, seed: int) -> int:
-        """Build the request-level view of the engine (once); returns its policy version."""
-        if self.requests is None:
+    def init_requests(self, chunk_tokens: int, seed: int, renew: bool = False) -> int:
+        """Build the request-level view of the engine (once; again with ``renew``, which tail
+        batching asks for every round: a fresh view seeded for the round); returns its policy
+        version. Renewing is refused while requests run."""
+        if renew and self.requests is not None and self.requests.num_running:
+            raise RuntimeError(
+                f"init_requests: renew with {self.requests.num_running} requests running; abort them first"
+            )
+        if self.requests is None or renew:
             self.requests = as_request_engine(self.engine, chunk_tokens=chunk_tokens, seed=seed)
         return self.engine.policy_version
 
@@ -581,6 +587,8 @@ class RayRequestEngine:
         actor: a :class:`RolloutWorker` actor handle.
         chunk_tokens, seed: for the actor's request engine
             (:func:`~trainers.engines.requests.as_request_engine`).
+        renew: build the actor's request engine again (with ``seed``) even if it has one, as
+            tail batching does every round; by default an existing one is kept.
         timeout_s: the deadline of every call to the actor; name: how errors name it.
     """
 
@@ -592,10 +600,11 @@ class RayRequestEngine:
         seed: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         name: str = "rollout actor",
+        renew: bool = False,
     ) -> None:
         self.actor, self.timeout_s, self.name = actor, timeout_s, name
         self.policy_version = int(
-            call(actor.init_requests.remote(chunk_tokens, seed), self._n("init"), timeout_s)
+            call(actor.init_requests.remote(chunk_tokens, seed, renew), self._n("init"), timeout_s)
         )
         self._running: set[str] = set()
         self._step_ref: Any = None
