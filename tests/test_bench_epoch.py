@@ -57,3 +57,7 @@ def test_epoch_errors_name_the_argument():
         ba.EpochSpec(4, ["queue"], prompts=2)
     with pytest.raises(ValueError, match="--layout: expected 'ray' or 'process'"):
         ba.EpochSpec(4, layout="gpu", prompts=2)
+    with pytest.raises(
+        ValueError, match=r"--modes: 'tail batching \(ray\)' runs on Ray; it needs --layout ray"
+    ):
+        ba.EpochSpec(4, ["tail batching (ray)"], layout="process", prompts=2)
