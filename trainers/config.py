@@ -323,6 +323,9 @@ class RayConfig:
     # deadline of every call to an actor (a generation request, an update, a weight load): past it
     # the run stops with an error naming the actor (hung, e.g. SIGSTOP, or overloaded)
     timeout_s: float = 1800.0
+    # deadline of starting the actors (processes, constructors, model loads, the process group):
+    # separate, so that a short timeout_s that catches a hung step does not fail a slow start
+    startup_timeout_s: float = 600.0
 
 
 @dataclass
@@ -1021,6 +1024,7 @@ def validate(cfg: Config) -> None:
             ("placement.train_workers", c.placement.train_workers, "int>=1"),
             ("placement.cpus_per_worker", c.placement.cpus_per_worker, ">0"),
             ("ray.timeout_s", c.ray.timeout_s, ">0"),
+            ("ray.startup_timeout_s", c.ray.startup_timeout_s, ">0"),
         ]
     )
     if c.rollout.max_model_len is not None:

@@ -55,6 +55,7 @@ CASES = [
     (["algorithm.advantage=gae"], r"algorithm\.advantage='gae' needs \['token_rewards', 'values'\]"),
     (["algorithm.aggregation=mean"], r"algorithm\.aggregation: unknown aggregation mode 'mean'"),
     (["reward.timeout_s=0"], r"reward\.timeout_s must be > 0"),
+    (["ray.startup_timeout_s=0"], r"ray\.startup_timeout_s must be > 0"),
     (["rollout.length_dist=normal:3"], r"rollout\.length_dist: expected"),
     (["--model", "/nonexistent/checkpoint"], r"model\.path: /nonexistent/checkpoint does not exist"),
     (["checkpoint.resume=auto"], r"checkpoint\.resume=auto: set checkpoint\.dir"),

@@ -108,15 +108,16 @@ class ActorCallError(RuntimeError):
     """A call to a Ray actor did not answer within its deadline, or the actor died."""
 
 
-def call(refs: Any, names: Sequence[str] | str, timeout_s: float) -> Any:
+def call(refs: Any, names: Sequence[str] | str, timeout_s: float, setting: str = "ray.timeout_s") -> Any:
     """``ray.get(refs)`` with a deadline: an actor that does not answer within ``timeout_s``
     (hung, e.g. stopped by SIGSTOP, or overloaded) or that died raises :class:`ActorCallError`
-    naming it (``names``: one per ref, or one for a single ref). Never waits longer."""
+    naming it (``names``: one per ref, or one for a single ref) and the config field that set
+    the deadline (``setting``). Never waits longer."""
     ray = _ray()
     single = not isinstance(refs, list)
     ref_list = [refs] if single else refs
     names = [names] * len(ref_list) if isinstance(names, str) else list(names)
-    wait_all(ref_list, names, timeout_s)
+    wait_all(ref_list, names, timeout_s, setting)
     try:
         out = ray.get(ref_list, timeout=timeout_s)
     except ray.exceptions.RayActorError as e:
@@ -127,14 +128,14 @@ def call(refs: Any, names: Sequence[str] | str, timeout_s: float) -> Any:
     return out[0] if single else out
 
 
-def wait_all(refs: list[Any], names: Sequence[str], timeout_s: float) -> None:
+def wait_all(refs: list[Any], names: Sequence[str], timeout_s: float, setting: str = "ray.timeout_s") -> None:
     """Wait until every ref is ready (without fetching it), at most ``timeout_s``; else raise
-    :class:`ActorCallError` naming the actors that did not answer."""
+    :class:`ActorCallError` naming the actors that did not answer (and ``setting``)."""
     _, pending = _ray().wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
         late = [n for r, n in zip(refs, names) if r in pending]
         raise ActorCallError(
-            f"{', '.join(late)}: no answer within {timeout_s:g} s (ray.timeout_s): the actor is hung or "
+            f"{', '.join(late)}: no answer within {timeout_s:g} s ({setting}): the actor is hung or "
             "overloaded; the run stops"
         )
 
@@ -878,14 +879,15 @@ def build_ray_roles(
         workers = [start(TrainWorker, s, s.index, len(train_slots)) for s in train_slots]
         rollouts = [start(RolloutWorker, s, model_ref, tokenizer) for s in plan.slots("rollout")]
         ref_actor = [start(ReferenceWorker, s, model_ref, tokenizer) for s in plan.slots("reference")]
-        t = cfg.ray.timeout_s
-        addr, port = call(workers[0].address.remote(), "train rank 0 (address)", t)
+        # starting: the actors' processes, constructors and model loads, the process group
+        t, setting = cfg.ray.startup_timeout_s, "ray.startup_timeout_s"
+        addr, port = call(workers[0].address.remote(), "train rank 0 (address)", t, setting)
         setup = [w.setup.remote(model_ref, tokenizer, addr, port) for w in workers]
-        call(setup, [f"train rank {r} (setup)" for r in range(len(workers))], t)
+        call(setup, [f"train rank {r} (setup)" for r in range(len(workers))], t, setting)
         names = [f"rollout actor {i} (start)" for i in range(len(rollouts))] + [
             "reference actor (start)"
         ] * len(ref_actor)
-        call([a.node_id.remote() for a in rollouts + ref_actor], names, t)  # constructors done
+        call([a.node_id.remote() for a in rollouts + ref_actor], names, t, setting)  # constructors done
     except BaseException:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -904,10 +906,11 @@ def build_ray_roles(
 
 
 def _started(ref: Any, name: str, timeout_s: float) -> None:
-    """Wait (at most ``timeout_s``) for an actor's constructor; one that raised gives an
-    :class:`ActorCallError` with its exception's last line (e.g. the model that did not load)."""
+    """Wait (at most ``timeout_s``, ``ray.startup_timeout_s``) for an actor's constructor; one
+    that raised gives an :class:`ActorCallError` with its exception's last line (e.g. the
+    model that did not load)."""
     ray = _ray()
-    wait_all([ref], [name], timeout_s)
+    wait_all([ref], [name], timeout_s, "ray.startup_timeout_s")
     try:
         ray.get(ref, timeout=timeout_s)
     except ray.exceptions.RayActorError as e:
@@ -932,7 +935,7 @@ def build_ray_teacher(
     node; ``model`` (with ``tokenizer``): a teacher model shipped through the object store
     instead. ``cpus`` / ``gpus`` / ``resources``: the bundle (``gpus=None``: 1 if the cluster
     has GPUs, else 0). Starts Ray if needed (:func:`init_ray`); waits at most
-    ``cfg.ray.timeout_s`` for the actor to load.
+    ``cfg.ray.startup_timeout_s`` for the actor to load.
     """
     ray = _ray()
     if model is not None and tokenizer is None:
@@ -954,7 +957,7 @@ def build_ray_teacher(
             .remote(cfg, model_ref, tokenizer, device, threads, chunk_tokens)
         )
         teacher = RayTeacher(actor, placement, timeout_s=cfg.ray.timeout_s)
-        _started(actor.node_id.remote(), "teacher actor (start)", cfg.ray.timeout_s)
+        _started(actor.node_id.remote(), "teacher actor (start)", cfg.ray.startup_timeout_s)
     except BaseException:
         if actor is not None:
             ray.kill(actor, no_restart=True)
