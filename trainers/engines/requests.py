@@ -477,17 +477,13 @@ class RequestEnginePool:
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
         if request_ids is None:
-            by_engine: dict[int, list[str] | None] = dict.fromkeys(range(len(self.engines)))
+            stopped = [r for e in self.engines for r in e.abort(None)]
         else:
-            by_engine = {}
+            by_engine: dict[int, list[str]] = {}
             for i in request_ids:
                 if i in self._owner:
-                    ids = by_engine.setdefault(self._owner[i], [])
-                    assert ids is not None
-                    ids.append(i)
-        stopped: list[Request] = []
-        for k, ids in by_engine.items():
-            stopped += self.engines[k].abort(ids)
+                    by_engine.setdefault(self._owner[i], []).append(i)
+            stopped = [r for k, ids in by_engine.items() for r in self.engines[k].abort(ids)]
         for r in stopped:
             self._owner.pop(r.request_id, None)
         return stopped

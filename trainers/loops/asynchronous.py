@@ -29,7 +29,7 @@ from rollkit.registry import POLICY_LOSSES
 from trainers.config import Config, validate, validate_async
 from trainers.data import Prompt
 from trainers.engines.requests import RequestEngine, as_request_engine
-from trainers.loops.collect import Group
+from trainers.loops.collect import Group, ray_request_engines
 from trainers.loops.common import (
     Timer,
     loop_state,
@@ -41,7 +41,6 @@ from trainers.loops.common import (
 from trainers.loops.parts import attach, build_parts
 from trainers.loops.queue import GroupFactory, QueueScheduler
 from trainers.loops.sync import greedy_accuracy
-from trainers.ray import RayRequestEngine
 from trainers.roles import Roles, close_all
 
 __all__ = ["AsyncTrainer"]
@@ -76,16 +75,7 @@ def request_engines(
     copies of it (transformers engine only)."""
     ac, rollout = cfg.asynchronous, roles.rollout
     if engines is None and hasattr(rollout, "actors"):  # Ray: every rollout actor
-        return [
-            RayRequestEngine(
-                a,
-                chunk_tokens=cfg.rollout.chunk_tokens,
-                seed=cfg.seed + 1 + k,
-                timeout_s=cfg.ray.timeout_s,
-                name=f"rollout actor {k}",
-            )
-            for k, a in enumerate(rollout.actors)
-        ]
+        return ray_request_engines(rollout, cfg, cfg.seed + 1)
     if engines is None:
         engines = [rollout]
         if ac.num_engines > 1:

@@ -115,30 +115,31 @@ def _rollout_metrics(
     return metrics
 
 
+def ray_request_engines(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -> list[Any]:
+    """One :class:`~trainers.ray.RayRequestEngine` per actor of a Ray rollout group (actor ``k``
+    seeded ``seed + k``, named ``rollout actor k``, the deadline ``ray.timeout_s``; with
+    ``renew`` every actor builds its request engine again, as a tail-batching round asks)."""
+    return [
+        RayRequestEngine(
+            a,
+            chunk_tokens=cfg.rollout.chunk_tokens,
+            seed=seed + k,
+            timeout_s=cfg.ray.timeout_s,
+            name=f"rollout actor {k}",
+            renew=renew,
+        )
+        for k, a in enumerate(rollout.actors)
+    ]
+
+
 def request_view(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -> Any:
     """The request-level view of the rollout role: over a Ray rollout group (``actors``), a
-    :class:`~trainers.engines.requests.RequestEnginePool` of one
-    :class:`~trainers.ray.RayRequestEngine` per actor (actor ``k`` seeded ``seed + k``; with
-    ``renew`` every actor builds its view again, as a tail-batching round asks); otherwise
-    :func:`~trainers.engines.requests.as_request_engine` (``renew`` changes nothing: the
-    view is made here)."""
-    chunk = cfg.rollout.chunk_tokens
-    actors = getattr(rollout, "actors", None)
-    if actors is None:
-        return as_request_engine(rollout, chunk_tokens=chunk, seed=seed)
-    return RequestEnginePool(
-        [
-            RayRequestEngine(
-                a,
-                chunk_tokens=chunk,
-                seed=seed + k,
-                timeout_s=cfg.ray.timeout_s,
-                name=f"rollout actor {k}",
-                renew=renew,
-            )
-            for k, a in enumerate(actors)
-        ]
-    )
+    :class:`~trainers.engines.requests.RequestEnginePool` of :func:`ray_request_engines`;
+    otherwise :func:`~trainers.engines.requests.as_request_engine` (``renew`` changes nothing:
+    the view is made here)."""
+    if hasattr(rollout, "actors"):
+        return RequestEnginePool(ray_request_engines(rollout, cfg, seed, renew=renew))
+    return as_request_engine(rollout, chunk_tokens=cfg.rollout.chunk_tokens, seed=seed)
 
 
 class GroupCollector:
