@@ -239,19 +239,8 @@ class AgenticRun:
 
     def _collect(self) -> None:
         """Start one collect call (as the trainer's ``collect``: fresh task seeds, two spares)."""
-        if self.mode == "lockstep":
-            self.schedule = LockstepSchedule.plan(
-                [next(self._seeds) for _ in range(self.groups + 2)],
-                SamplingParams(max_tokens=1),
-                groups=self.groups,
-                group_size=self.s.group_size,
-                uids=self._uids,
-            )
-            self.schedules.append(self.schedule)
-            self.rounds.append(0)
-            self._play_round(self.schedule)
-            return
-        self.schedule = AsyncSchedule.plan(
+        cls = LockstepSchedule if self.mode == "lockstep" else AsyncSchedule
+        self.schedule = cls.plan(
             [next(self._seeds) for _ in range(self.launch_groups + 2)],
             SamplingParams(max_tokens=1),
             groups=self.groups,
@@ -261,7 +250,11 @@ class AgenticRun:
             uids=self._uids,
         )
         self.schedules.append(self.schedule)
-        self._launch(self.schedule.start(), self.schedule)
+        if isinstance(self.schedule, LockstepSchedule):
+            self.rounds.append(0)
+            self._play_round(self.schedule)
+        else:
+            self._launch(self.schedule.start(), self.schedule)
 
     def _pump(self, until: float | None) -> None:
         """Process events until ``until`` (``None``: until a batch is collected)."""
