@@ -198,7 +198,8 @@ class RolloutWorker:
         (self.engine if self.requests is None else self.requests).update_weights(weights, version)
         return version
 
-    # request level (:class:`RayRequestEngine`: the asynchronous trainer's queue scheduling)
+    # request level (:class:`RayRequestEngine`: the asynchronous trainer's queue scheduling, the
+    # synchronous collectors' per-request lengths and tail batching)
 
     def init_requests(self, chunk_tokens: int, seed: int, renew: bool = False) -> int:
         """Build the request-level view of the engine (once; again with ``renew``, which tail
