@@ -165,36 +165,34 @@ def roll_flash_agentic(steps: int) -> None:
     split = gpu_model("8B", train_gpus=8, mfu=MFU[0]).with_(env=env)
     s16 = AgenticSetting(batch=128, turns=8, lengths=lengths, cost=colo, engines=16, steps=steps)
     s8 = AgenticSetting(batch=128, turns=8, lengths=lengths, cost=split, engines=8, steps=steps)
-    sync = run_agentic(s16, "lockstep")
-    rows = [
-        ("env-level async", run_agentic(s16, "env-async")),
-        ("+ redundant envs (25%)", run_agentic(s16, "redundant", redundancy=0.25)),
-        ("+ train overlap (8 + 8)", run_agentic(s8, "redundant", max_staleness=1, redundancy=0.25)),
-        ("train overlap alone", run_agentic(s8, "env-async", max_staleness=1)),
-    ]
+    rows = _agentic_rows(s16, s8)
+    sync = rows["lock-step (sync)"]
     print(
         "\nROLL Flash, agentic (8B on 16 GPUs, 128 trajectories x 8 turns of ~200 tokens, env ~ N(10 s, 5 s))"
     )
     print(f"{'mode':<26}{'s/step':>9}{'speed-up':>10}")
-    print(f"{'lock-step (sync)':<26}{sync:>9.1f}{1:>9.2f}x")
-    for name, t in rows:
+    for name, t in rows.items():
         print(f"{name:<26}{t:>9.1f}{sync / t:>9.2f}x")
     print(f"paper: {ROLL_FLASH['paper_agentic']}x (2.27x async x 1.20x redundant environments)")
     # not in the paper: environments that fail (a hung or crashed environment), the failed
     # episode replaced by each mode's real schedule (lock-step replays it in another round)
     print(f"\nthe same with {FAILURE:.0%} of environment steps failing (not in the paper)")
     print(f"{'mode':<26}{'s/step':>9}{'speed-up':>10}{'vs no failures':>16}")
-    base = {"lock-step (sync)": sync, **dict(rows)}
-    f16, f8 = (dataclasses.replace(x, failure=FAILURE) for x in (s16, s8))
-    fsync = run_agentic(f16, "lockstep")
-    frows = [
-        ("lock-step (sync)", fsync),
-        ("env-level async", run_agentic(f16, "env-async")),
-        ("+ redundant envs (25%)", run_agentic(f16, "redundant", redundancy=0.25)),
-        ("+ train overlap (8 + 8)", run_agentic(f8, "redundant", max_staleness=1, redundancy=0.25)),
-    ]
-    for name, t in frows:
-        print(f"{name:<26}{t:>9.1f}{fsync / t:>9.2f}x{t / base[name]:>15.2f}x")
+    failing = _agentic_rows(*(dataclasses.replace(x, failure=FAILURE) for x in (s16, s8)))
+    for name, t in failing.items():
+        print(f"{name:<26}{t:>9.1f}{failing['lock-step (sync)'] / t:>9.2f}x{t / rows[name]:>15.2f}x")
+
+
+def _agentic_rows(s16: AgenticSetting, s8: AgenticSetting) -> dict[str, float]:
+    """s/step of each agentic mode: the synchronous ones on ``s16`` (colocated), the
+    overlapped ones on ``s8`` (8 rollout + 8 train GPUs)."""
+    return {
+        "lock-step (sync)": run_agentic(s16, "lockstep"),
+        "env-level async": run_agentic(s16, "env-async"),
+        "+ redundant envs (25%)": run_agentic(s16, "redundant", redundancy=0.25),
+        "+ train overlap (8 + 8)": run_agentic(s8, "redundant", max_staleness=1, redundancy=0.25),
+        "train overlap alone": run_agentic(s8, "env-async", max_staleness=1),
+    }
 
 
 def rollpacker(steps: int) -> None:
