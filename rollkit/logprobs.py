@@ -66,6 +66,22 @@ def _check_logits(logits: object) -> Tensor:
     return logits
 
 
+def _check_orderable(logits: Tensor) -> None:
+    """``logits`` hold no NaN and no ``+inf`` (``-inf``, a banned token, is fine): the kept set
+    sorts and softmaxes them, and either one makes the set meaningless without an error.
+    A data check (one host synchronisation), skipped inside ``value_checks(False)``."""
+    if not logits.numel() or not values_readable("logits", logits):
+        return
+    nan, pos_inf = torch.isnan(logits), torch.isposinf(logits)
+    bad = nan | pos_inf
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"logits: contains {int(nan.sum())} NaN and {int(pos_inf.sum())} +inf values (first at "
+            f"index {first}), for which the kept set is undefined (-inf, a banned token, is allowed)"
+        )
+
+
 # ----------------------------------------------------------------------------- the replay
 
 
@@ -150,7 +166,9 @@ def support_mask(
     ``trainers.engines.hf_rollout.process_logits`` (descending sort, removes the tokens whose
     strictly-more-likely mass is ``>= top_p``) in exact arithmetic, i.e. up to float rounding
     at the boundary and the order among tied values. ``top_k <= 0`` or ``>= V`` and
-    ``top_p >= 1`` switch the filter off. No gradient (a bool tensor).
+    ``top_p >= 1`` switch the filter off. No gradient (a bool tensor). ``-inf`` logits (banned
+    tokens) are never kept unless the filter is off; NaN or ``+inf`` ones raise a
+    ``ValueError`` (a data check, skipped inside ``rollkit.validation.value_checks(False)``).
 
     Shapes: ``[..., V]`` -> ``[..., V]`` bool. Sorting costs a ``[..., V]`` float32 and int64
     copy; call it on chunks of rows for a large batch.
@@ -162,6 +180,7 @@ def support_mask(
     """
     logits = _check_logits(logits)
     t, k, p = _check_sampling(temperature, top_k, top_p)
+    _check_orderable(logits)
     with torch.no_grad():
         z = logits.to(_compute_dtype(logits.dtype))
         kept = _kept(z / t if t != 1.0 else z, k, p)
@@ -182,6 +201,8 @@ def outside_support(
     from the sampler's near the top-k / top-p boundary (numerics, a different kernel or
     precision). :func:`token_logprobs` then adds the token to the set instead of giving it
     ``-inf``; the count of such tokens is worth logging (it should be a tiny fraction).
+    Same checks as :func:`support_mask` (NaN / ``+inf`` logits raise), and ``tokens`` must be
+    in ``[0, V)``.
 
     >>> outside_support(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), torch.tensor([1]), top_p=0.5)
     tensor([True])

@@ -317,6 +317,28 @@ def test_bad_hyperparameters(kw, match):
         support_mask(logits, **kw)
 
 
+def test_support_mask_refuses_nan_and_pos_inf_logits_by_name():
+    """NaN / +inf make the sorted kept set meaningless; -inf (a banned token) is fine."""
+    from rollkit.validation import value_checks
+
+    ok = torch.tensor([[2.0, float("-inf"), 1.0, 0.0]])
+    assert support_mask(ok, top_k=2).tolist() == [[True, False, True, False]]
+    assert outside_support(ok, torch.tensor([1]), top_p=0.9).tolist() == [True]
+    for bad, what in ((float("nan"), r"1 NaN and 0 \+inf"), (float("inf"), r"0 NaN and 1 \+inf")):
+        logits = torch.tensor([[2.0, 1.0, bad, 0.0], [1.0, 1.0, 1.0, 1.0]])
+        for fn, args, kw in (
+            (support_mask, (logits,), dict(top_p=0.9)),
+            (support_mask, (logits,), {}),
+            (outside_support, (logits, torch.tensor([0, 1])), dict(top_k=2)),
+        ):
+            match = rf"^logits: contains {what} values \(first at index \(0, 2\)\)"
+            with pytest.raises(ValueError, match=match) as err:
+                fn(*args, **kw)
+            assert "\n" not in str(err.value)
+        with value_checks(False):  # a data check: off in a hot loop
+            assert support_mask(logits, top_k=2).shape == (2, 4)
+
+
 def test_bad_shapes_and_tokens():
     logits = torch.randn(2, 5)
     with pytest.raises(ValueError, match="tokens: shape"):

@@ -267,6 +267,210 @@ def test_topk_masked_positions_never_leak(batch, name, tail):
     assert all(torch.isfinite(v) for v in out.metrics.values())
 
 
+# =========================================================================== bucket precision
+#
+# The bucket tail 1 - sum_k p_k of float32 log-probs is computed in float64 and floored at the
+# inputs' rounding level tau = (1 + ln K) eps: float32 inputs give float64's loss and gradient.
+
+
+def _tau(K, dtype=torch.float32):
+    return (1 + math.log(K)) * max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+
+
+def _confident(B, V, K, tail, *, seed, noise, student_tail=None):
+    """float64 teacher logits whose K random ids hold 1 - tail (tail log-normal around ``tail``),
+    student logits = teacher + noise (or with their own top-k tail around ``student_tail``)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def boosted(z, ids, t):
+        if ids.shape[-1] == z.shape[-1]:  # K = V: no tail to set
+            return z * 3
+        top = torch.zeros_like(z, dtype=torch.bool).scatter(-1, ids, True)
+        t = (t * torch.exp(torch.randn(*z.shape[:-1], 1, generator=g, dtype=z.dtype))).clamp(max=0.5)
+        rest = torch.where(top, -math.inf, z).logsumexp(-1, keepdim=True)
+        inside = torch.where(top, z, -math.inf).logsumexp(-1, keepdim=True)
+        return torch.where(top, z + rest - inside + torch.log1p(-t) - torch.log(t), z)
+
+    z = torch.randn(B, 1, V, generator=g, dtype=torch.float64)
+    ids = torch.rand(B, 1, V, generator=g).argsort(-1)[..., :K]
+    t_logits = boosted(z, ids, torch.tensor(tail, dtype=torch.float64))
+    s_logits = t_logits + noise * torch.randn(B, 1, V, generator=g, dtype=torch.float64)
+    if student_tail is not None:
+        s_logits = boosted(s_logits, ids, torch.tensor(student_tail, dtype=torch.float64))
+    return s_logits, t_logits, ids
+
+
+def _loss_and_grad(fn, s, t, m, **kw):
+    s = s.detach().clone().requires_grad_()
+    out = fn(s, t, m, **kw)
+    (g,) = torch.autograd.grad(out.loss.sum(), s)
+    return out.loss.detach(), g
+
+
+@pytest.mark.parametrize("tail", [1e-3, 1e-6])
+@pytest.mark.parametrize("name", list(TOPK))
+def test_float32_matches_float64_on_confident_teachers(name, tail):
+    """Issue 31: V = 1000, top-20, tails around 1e-3 / 1e-6. Before the fix, float32 gradients
+    were off from the float64 ones of the same inputs by up to 374 (0.09 at 1e-3)."""
+    s_logits, t_logits, ids = _confident(500, 1000, 20, tail, seed=0, noise=2.0)
+    m = torch.ones(500, 1, dtype=torch.bool)
+    s32 = gather_topk_logprobs(s_logits.float(), ids)
+    t32 = gather_topk_logprobs(t_logits.float(), ids)
+    l32, g32 = _loss_and_grad(TOPK[name], s32, t32, m)
+    l64, g64 = _loss_and_grad(TOPK[name], s32.double(), t32.double(), m)
+    torch.testing.assert_close(l32.double(), l64, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(g32.double(), g64, atol=1e-5, rtol=1e-5)
+    # and from the logits, against the float64 pipeline of the exact (float64) logits
+    for dtype in (torch.float32, torch.float64):
+        x = s_logits.to(dtype).requires_grad_()
+        out = TOPK[name](gather_topk_logprobs(x, ids), gather_topk_logprobs(t_logits.to(dtype), ids), m)
+        (gx,) = torch.autograd.grad(out.loss.sum(), x)
+        if dtype == torch.float32:
+            l_32, g_32 = out.loss.detach().double(), gx.double()
+    torch.testing.assert_close(l_32, out.loss.detach(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(g_32, gx, atol=1e-5, rtol=1e-4)
+
+
+@st.composite
+def _hard_topk(draw):
+    """float32 top-k log-probs at the bucket's edges: a confident teacher (tail 1e-9 .. 1e-1)
+    or a full-vocabulary top-k (K = V), and a student near the teacher, more or less confident
+    than it, with no mass on the top-k (-inf, or -200: 0 in float32), or with -inf entries."""
+    V = draw(st.sampled_from([2, 7, 60, 400]))
+    K = draw(st.sampled_from(sorted({1, max(1, V // 3), V - 1 if V > 1 else 1, V})))
+    tail = 10.0 ** draw(st.floats(-9, -1))
+    kind = draw(st.sampled_from(["near", "confident", "loose", "zero", "-inf", "some -inf"]))
+    seed = draw(st.integers(0, 2**16))
+    B = 3
+    s_logits, t_logits, ids = _confident(
+        B,
+        V,
+        K,
+        tail,
+        seed=seed,
+        noise=0.3 if kind == "near" else 2.0,
+        student_tail={"confident": tail * 1e-3, "loose": min(10 * tail, 0.5)}.get(kind),
+    )
+    s = gather_topk_logprobs(s_logits.float(), ids)
+    t = gather_topk_logprobs(t_logits.float(), ids)
+    if kind == "zero":
+        s = torch.full_like(s, -200.0)
+    elif kind == "-inf":
+        s = torch.full_like(s, -math.inf)
+    elif kind == "some -inf":
+        s = s.masked_fill(torch.rand(s.shape, generator=torch.Generator().manual_seed(seed)) < 0.5, -math.inf)
+    return s, t, K
+
+
+@settings(max_examples=150, deadline=None)
+@given(_hard_topk(), st.sampled_from([0.0, 0.1, 0.5, 0.9, 1.0]))
+def test_bucket_float32_agrees_with_float64_and_has_a_finite_gradient(batch, beta):
+    """Property: float32 loss and gradient (w.r.t. the student's top-k log-probs) equal the
+    float64 ones of the same inputs; the gradient is finite wherever the loss is; loss >= -tau."""
+    s, t, K = batch
+    m = torch.ones(s.shape[:2], dtype=torch.bool)
+    l32, g32 = _loss_and_grad(topk_jsd, s, t, m, beta=beta)
+    l64, g64 = _loss_and_grad(topk_jsd, s.double(), t.double(), m, beta=beta)
+    fin = torch.isfinite(l64)
+    assert torch.equal(torch.isfinite(l32), fin)
+    assert torch.equal(l32[~fin], l64[~fin].float())  # +inf: forward KL to a zero-mass student
+    assert torch.isfinite(g32[fin]).all() and torch.isfinite(g64[fin]).all()
+    torch.testing.assert_close(l32[fin].double(), l64[fin], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(g32[fin].double(), g64[fin], atol=1e-5, rtol=1e-5)
+    assert torch.all(l32[fin] >= -_tau(K) - 1e-6)
+
+
+def test_full_vocabulary_tail_is_zero_and_float32_equals_float64():
+    """K = V: the tails are rounding residue (<= tau), so they are 0 in float32 and float64
+    alike, and the bucket equals the top-k sum alone. The issue's case: a student with no mass
+    on the top-k gave a reverse KL of 15.94 in float32 and 36.04 in float64."""
+    V = 50
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(64, 1, V, generator=g) * 3
+    top_t, ids = z.log_softmax(-1).topk(V, dim=-1)
+    t = gather_topk_logprobs(z, ids)
+    s = gather_topk_logprobs(torch.randn(64, 1, V, generator=g) * 3, ids)
+    m = torch.ones(64, 1, dtype=torch.bool)
+    for x in (s, t, top_t):  # gather's and log_softmax's float32 residues are below tau
+        assert torch.all((1 - x.double().exp().sum(-1)).abs() <= _tau(V))
+    fwd = topk_forward_kl(s, t, m).loss
+    torch.testing.assert_close(fwd, (t.exp() * (t - s)).sum(-1), atol=1e-6, rtol=1e-6)
+    zero = torch.full((1, 1, V), -200.0)
+    for dtype in (torch.float32, torch.float64):
+        rev = topk_reverse_kl(zero.to(dtype), t[:1].to(dtype), m[:1]).loss
+        assert math.isclose(float(rev), -math.log(_tau(V)), rel_tol=1e-6)  # 1 * log(1 / tau)
+
+
+@pytest.mark.parametrize("fill", [-math.inf, -200.0])
+def test_zero_mass_student_has_a_finite_gradient(fill):
+    """The student gives probability 0 to the whole top-k: tail 1. Reverse KL and JSD are
+    finite with the exact gradient 0; the forward KL is +inf (-inf log-probs) with gradient -p_t."""
+    g = torch.Generator().manual_seed(2)
+    top_t, _ = (torch.randn(2, 3, 100, generator=g) * 3).log_softmax(-1).topk(5, dim=-1)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    s = torch.full((2, 3, 5), fill)
+    tail_t = -torch.expm1(top_t.double().logsumexp(-1)).float()
+    for name, fn in TOPK.items():
+        loss, grad = _loss_and_grad(fn, s, top_t, m)
+        assert torch.isfinite(grad).all(), name
+        if name == "forward":
+            torch.testing.assert_close(grad, -top_t.exp())
+            assert torch.isinf(loss).all() if fill == -math.inf else torch.isfinite(loss).all()
+        else:
+            assert torch.equal(grad, torch.zeros_like(grad)), name
+    rev = topk_reverse_kl(s, top_t, m).loss  # all the student's mass is in the tail: -log p_t,tail
+    torch.testing.assert_close(rev, -tail_t.log())
+    jsd = topk_jsd(s, top_t, m, beta=0.5).loss  # M = (P_t + P_s) / 2; P_s = (0, .., 0, 1)
+    teacher_part = math.log(2) * (1 - tail_t) + tail_t * torch.log(2 * tail_t / (1 + tail_t))
+    ref = 0.5 * teacher_part + 0.5 * torch.log(2 / (1 + tail_t))
+    torch.testing.assert_close(jsd, ref)
+
+
+def test_the_bucket_floor_is_the_inputs_own_rounding_level():
+    """A tail <= tau = (1 + ln K) eps is 0: bfloat16 log-probs resolve a tail only to ~1e-2."""
+    K = 2
+    assert _tau(K, torch.bfloat16) > 0.005 > _tau(K)
+    t16 = torch.log(torch.tensor([[[0.6, 0.395]]])).to(torch.bfloat16)  # tail ~0.005 (bf16-rounded)
+    s = torch.log(torch.tensor([[[0.5, 0.3]]]))  # tail 0.2
+    m = torch.ones(1, 1, dtype=torch.bool)
+    t = t16.float()
+    tail_t = float(-torch.expm1(t.double().logsumexp(-1)))
+    assert 0 < tail_t < _tau(K, torch.bfloat16)
+    top = float((t.exp() * (t - s)).sum())
+    assert math.isclose(float(topk_forward_kl(s, t16, m).loss), top, rel_tol=1e-6)  # tail dropped
+    with_tail = top + tail_t * math.log(tail_t / 0.2)  # float32 resolves the same tail
+    assert math.isclose(float(topk_forward_kl(s, t, m).loss), with_tail, rel_tol=1e-5)
+    # float64 inputs take float32's floor: the reference of a float32 run computes the same loss
+    tiny = torch.tensor([[[-0.5 * _tau(1)]]], dtype=torch.float64)  # tail ~tau / 2
+    one = torch.zeros(1, 1, 1, dtype=torch.float64)
+    # the tail term, (tau / 2) log(1 / 2) with a float64 floor, is dropped
+    top_only = float(tiny.exp() * tiny)
+    assert math.isclose(float(topk_forward_kl(one, tiny, m).loss), top_only, rel_tol=1e-12)
+    assert math.isclose(float(topk_forward_kl(one.float(), tiny.float(), m).loss), top_only, rel_tol=1e-6)
+
+
+def test_gather_topk_logprobs_has_an_accurate_normaliser():
+    """torch's CPU log_softmax misstates a large vocabulary's normaliser by up to ~1e-4 (in
+    float32), and so the tail of every top-k; gather_topk_logprobs keeps it to a few ulps."""
+    g = torch.Generator().manual_seed(0)
+    V, K = 150_000, 20
+    z = torch.randn(16, 1, V, generator=g, dtype=torch.float64) * 2
+    z[..., :K] += 15 + torch.randn(16, 1, K, generator=g, dtype=torch.float64)
+    ids = torch.arange(K).expand(16, 1, K)
+    exact = -torch.expm1(z.float().double().log_softmax(-1)[..., :K].logsumexp(-1))
+    ours = -torch.expm1(gather_topk_logprobs(z.float(), ids).double().logsumexp(-1))
+    assert float((ours - exact).abs().max()) < 2 * _tau(K)
+    # same gradient as log_softmax(x).gather (float64 gradcheck, and float32 against autograd's)
+    x = torch.randn(2, 3, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    i = torch.randint(0, 9, (2, 3, 4), generator=g)
+    assert torch.autograd.gradcheck(lambda x: gather_topk_logprobs(x, i, temperature=0.7), (x,))
+    x32 = (torch.randn(2, 3, 9, generator=g) * 5).requires_grad_()
+    w = torch.randn(2, 3, 4, generator=g)
+    (a,) = torch.autograd.grad((gather_topk_logprobs(x32, i) * w).sum(), x32)
+    (b,) = torch.autograd.grad((x32.log_softmax(-1).gather(-1, i) * w).sum(), x32)
+    torch.testing.assert_close(a, b)
+
+
 # =========================================================================== micro-batching
 
 
@@ -322,9 +526,12 @@ def test_half_precision_is_computed_in_float32():
     s_logits, _, ids, top_t = _topk_inputs(2, 3, 6, 2, dtype=torch.float32)
     m = torch.ones(2, 3, dtype=torch.bool)
     top_s = gather_topk_logprobs(s_logits, ids).to(torch.bfloat16)
-    out = topk_jsd(top_s, top_t.to(torch.bfloat16), m)
-    ref = topk_jsd(top_s.float(), top_t.to(torch.bfloat16).float(), m)
-    assert out.loss.dtype == torch.float32
+    top_t = top_t.to(torch.bfloat16)
+    for tail in ("bucket", "renormalize"):
+        assert topk_jsd(top_s, top_t, m, tail=tail).loss.dtype == torch.float32
+    # the same values in float32 give the same loss (the bucket's floor is the inputs' own: below)
+    out = topk_jsd(top_s, top_t, m, tail="renormalize")
+    ref = topk_jsd(top_s.float(), top_t.float(), m, tail="renormalize")
     torch.testing.assert_close(out.loss, ref.loss)
     lp = -torch.rand(2, 3).to(torch.bfloat16)
     assert on_policy_distill(lp, lp, m).loss.dtype == torch.float32
@@ -351,6 +558,16 @@ def test_bad_inputs_raise_one_line_errors_naming_the_argument():
     _raises(r"^beta: must be in \[0.0, 1.0\]", topk_jsd, s, s, m, beta=1.5)
     _raises("^student_topk_logprobs: needs at least one", topk_jsd, s[..., :0], s[..., :0], m)
     ids = torch.zeros(2, 3, 4, dtype=torch.long)
+    _raises(
+        r"^topk_ids: must be in \[0, 4\) \(the vocabulary of logits\), got values in \[0, 4\]$",
+        gather_topk_logprobs,
+        s,
+        ids.index_fill(-1, torch.tensor([1]), 4),
+    )
+    _raises(r"^topk_ids: must be in \[0, 4\)", gather_topk_logprobs, s, ids - 1)
+    _raises(
+        r"^logits: expected shape \[B, T, V\] with V >= 1", gather_topk_logprobs, s[..., :0], ids[..., :0]
+    )
     _raises("^topk_ids: expected an integer tensor", gather_topk_logprobs, s, ids.float())
     _raises("^topk_ids: shape", gather_topk_logprobs, s, ids[:1])
     _raises("^temperature: must be > 0", gather_topk_logprobs, s, ids, temperature=0.0)

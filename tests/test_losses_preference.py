@@ -259,4 +259,15 @@ def test_bad_inputs_raise_one_line_errors_naming_the_argument():
     _raises("^gamma: must be finite", simpo, c, r, nc, nr, gamma=math.inf)
     _raises("^nll_weight: must be >= 0", orpo, c, r, nc, nr, nll_weight=-1.0)
     _raises("^loss: ", aggregate_pairs, c[None])
-    _raises("^num_seqs: must be finite", aggregate_pairs, c, num_pairs=-1.0)
+    _raises(r"^num_pairs: must be finite and >= 0, got -1.0$", aggregate_pairs, c, num_pairs=-1.0)
+    _raises(
+        r"^num_pairs: must be finite and >= 0, got nan$", aggregate_pairs, c, num_pairs=torch.tensor(math.nan)
+    )
+    _raises(r"^num_pairs: expected a scalar", aggregate_pairs, c, num_pairs=torch.ones(2))
+    _raises(r"^num_pairs: ", aggregate_pairs, c, num_pairs="3")
+    _raises(
+        r"^weights: is on device meta but loss is on cpu$",
+        aggregate_pairs,
+        c,
+        weights=torch.ones(6, device="meta"),
+    )

@@ -23,6 +23,17 @@ def test_sft_nll_hand_values_and_metrics():
     assert float(empty.metrics["nll"]) == 0.0 and float(empty.metrics["ppl"]) == 1.0
 
 
+def test_sft_ppl_does_not_overflow_past_float32s_exp_range():
+    """exp(nll) overflows float32 past a mean NLL of 88.72; ppl is a float64 scalar."""
+    m = torch.ones(1, 2, dtype=torch.bool)
+    for nll in (88.0, 100.0, 700.0):
+        out = sft_nll(torch.full((1, 2), -nll), m)
+        assert float(out.metrics["nll"]) == nll
+        assert math.isfinite(float(out.metrics["ppl"]))
+        assert math.isclose(float(out.metrics["ppl"]), math.exp(nll), rel_tol=1e-6)
+    assert sft_nll(torch.full((1, 2), -710.0), m).metrics["ppl"] == math.inf  # float64's limit
+
+
 def test_sft_token_mean_is_cross_entropy_with_ignore_index():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 7, generator=g, requires_grad=True)

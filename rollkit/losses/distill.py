@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from rollkit.losses._common import check_token_tensors, compute_dtype, masked_stat, zero_outside
 from rollkit.types import LossOutput
@@ -27,6 +28,7 @@ from rollkit.validation import (
     check_same_device,
     check_same_shape,
     check_shape,
+    values_readable,
 )
 
 __all__ = [
@@ -187,6 +189,15 @@ def gather_topk_logprobs(
     Half-precision logits are computed in float32. Apply the temperature the teacher's top-k
     were computed with (TRL's GKD divides both logits by the same ``temperature``).
 
+    Precision: the normaliser is ``m + log sum_v exp(x_v - m)`` (``m`` the row max, kept out of
+    the rounded sum, and ``torch.sum``'s cascade / tree summation), so that the tail implied by
+    float32 output is accurate to a few ulps; torch's CPU ``log_softmax`` can be off by ~1e-4
+    at ``V = 150k``, which the bucket tail of the top-k losses would inherit. The gradient is
+    ``log_softmax``'s; the ``[B, T, V]`` input (the logits / temperature, in float32) is
+    saved for the backward instead of a ``[B, T, V]`` output, and there is no double backward.
+    ``topk_ids`` outside ``[0, V)`` raise a ``ValueError`` (a data check: skipped inside
+    ``rollkit.validation.value_checks(False)``).
+
     >>> logits = torch.tensor([[[2.0, 1.0, 0.0]]])
     >>> ids = torch.tensor([[[0, 2]]])
     >>> gather_topk_logprobs(logits, ids).exp()
@@ -202,11 +213,49 @@ def gather_topk_logprobs(
             f"topk_ids: shape {list(topk_ids.shape)} does not match logits' [B, T] {list(logits.shape[:2])}"
         )
     check_same_device("topk_ids", topk_ids, "logits", logits)
+    V = logits.shape[-1]
+    if V < 1:
+        raise ValueError(f"logits: expected shape [B, T, V] with V >= 1, got {list(logits.shape)}")
+    if topk_ids.numel() and values_readable("topk_ids", topk_ids):
+        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host synchronisation
+        if lo < 0 or hi >= V:
+            raise ValueError(
+                f"topk_ids: must be in [0, {V}) (the vocabulary of logits), got values in [{lo}, {hi}]"
+            )
     check_positive("temperature", temperature)
     x = logits.to(compute_dtype(logits))
     if temperature != 1.0:
         x = x / temperature
-    return x.log_softmax(-1).gather(-1, topk_ids.long())
+    return _TopkLogprobs.apply(x, topk_ids.long())
+
+
+class _TopkLogprobs(torch.autograd.Function):
+    """``log_softmax(x).gather(-1, ids)`` with an accurate normaliser (same value in exact
+    arithmetic, same gradient ``scatter(g) - softmax(x) * sum_k g_k``).
+
+        m = max_v x_v,   ls = log sum_v exp(x_v - m),   out_k = (x_k - m) - ls
+
+    torch's CPU ``log_softmax`` accumulates each vector lane in sequence: on a confident row
+    the small terms are rounded away against the large one, and the normaliser (hence the
+    tail ``1 - sum_k exp(out_k)`` of every top-k) is off by up to ~1e-4 at ``V = 150k`` in
+    float32. ``torch.sum``'s cascade (CPU) / tree (CUDA) summation, and ``m`` kept out of the
+    rounded ``ls``, bring it to a few ulps. Saves ``x`` itself (no ``[.., V]`` output is
+    kept), and the backward forms its one ``[.., V]`` gradient in place. No double backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, ids: Tensor) -> Tensor:  # type: ignore[override]
+        m = x.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, 0.0)  # a row of -inf (or with +inf): NaN, as log_softmax
+        ls = (x - m).exp_().sum(-1, keepdim=True).log_()
+        ctx.save_for_backward(x, ids, m, ls)
+        return (x.gather(-1, ids) - m) - ls
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        x, ids, m, ls = ctx.saved_tensors
+        gx = (x - m).sub_(ls).exp_().mul_(-g.sum(-1, keepdim=True))
+        return gx.scatter_add_(-1, ids, g), None
 
 
 def _check_topk(student: Tensor, teacher: Tensor, mask: Tensor, tail: str) -> None:
@@ -223,13 +272,51 @@ def _check_topk(student: Tensor, teacher: Tensor, mask: Tensor, tail: str) -> No
     check_choice("tail", tail, TAIL_MODES)
 
 
-def _log_tail(log_mass: Tensor) -> tuple[Tensor, Tensor]:
-    """``(tail, log tail)`` of a top-k set of log-mass ``log_mass``: ``tail = max(1 - mass, 0)``
-    exactly, its log floored at the dtype's epsilon (a full-vocabulary top-k leaves a tail of
-    rounding size, whose log would otherwise be ``-inf`` or noise)."""
-    tail = (-torch.expm1(log_mass)).clamp(min=0.0)
-    eps = torch.finfo(tail.dtype).eps
-    return tail, tail.clamp(min=eps).log()
+def _tail_floor(k: int, dtype: torch.dtype) -> float:
+    """The level ``tau`` at or below which the bucket tail of ``K`` log-probs of ``dtype`` is
+    taken as 0 (:func:`topk_forward_kl`).
+
+        tau = (1 + ln K) * eps,    eps = max(machine epsilon of dtype, float32's)
+
+    A log-prob ``x_k`` rounded to its dtype is off by at most ``eps / 2 * |x_k|`` (half an
+    ulp), and the normaliser it was computed with by about ``eps / 2``; to first order the
+    tail ``1 - sum_k exp(x_k)`` is then off by at most ``eps / 2 * sum_k p_k (1 + |x_k|)``,
+    which is ``<= eps / 2 * (1 + ln K)`` for ``K >= 3``. ``tau`` is about twice that bound: a
+    smaller tail is rounding residue, not mass. float64 inputs get float32's ``eps`` (they are
+    the reference of a float32 run, which must compute the same loss); bfloat16 / float16
+    inputs their own, coarser one."""
+    eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+    return (1.0 + math.log(k)) * eps
+
+
+def _log1mexp(a: Tensor) -> Tensor:
+    """``log(1 - exp(a))`` for ``a < 0`` (``-inf`` included), accurate for every ``a``: the
+    ``log(-expm1(a))`` branch above ``-ln 2``, ``log1p(-exp(a))`` below (Maechler 2012).
+    Both branches are finite for ``a < 0``, so neither sends a NaN into the other's gradient."""
+    return torch.where(a > -math.log(2.0), torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+def _bucket_tail(x: Tensor, floor: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(mass, log mass)`` of the tail outside a top-k of log-probs ``x`` (``[..., K]`` ->
+    ``[..., 1]`` each, in ``dtype``).
+
+        lse = logsumexp_k x_k,   T = 1 - exp(lse) = -expm1(lse),   log T = log1mexp(lse)
+
+    computed in float64 (float32 on MPS, which has none), so the tail of float32 inputs is
+    exact to float64 rounding; a tail ``T <= floor`` (rounding residue, or ``<= 0``) has mass
+    0 and log ``log floor``. A row of ``-inf`` (no mass on the top-k) has ``T = 1``. Every
+    branch that is not selected is fed a safe value (the "double where"), so the gradient is
+    finite wherever the inputs are (-inf included)."""
+    work = torch.float32 if x.device.type == "mps" else torch.float64
+    x = x.to(work)
+    dead = torch.isneginf(x).all(-1, keepdim=True)
+    lse = torch.where(dead, -math.inf, torch.where(dead, 0.0, x).logsumexp(-1, keepdim=True))
+    tail = -torch.expm1(lse)
+    ok = tail > floor
+    log_tail = _log1mexp(torch.where(ok, lse, -1.0))
+    mass = torch.where(ok, tail, 0.0)
+    log_mass = torch.where(ok, log_tail, math.log(floor))
+    return mass.to(dtype), log_mass.to(dtype)
 
 
 def _distributions(student: Tensor, teacher: Tensor, mask: Tensor, tail: str):
@@ -247,8 +334,9 @@ def _distributions(student: Tensor, teacher: Tensor, mask: Tensor, tail: str):
         log_s = s - s.logsumexp(-1, keepdim=True)
         log_t = t - t.logsumexp(-1, keepdim=True)
         return log_s.exp(), log_s, log_t.exp(), log_t
-    tail_s, log_tail_s = _log_tail(s.logsumexp(-1, keepdim=True))
-    tail_t, log_tail_t = _log_tail(t.logsumexp(-1, keepdim=True))
+    # each tail at its own inputs' rounding level (a float32 student, a bfloat16 teacher: two)
+    tail_s, log_tail_s = _bucket_tail(s, _tail_floor(k, student.dtype), dtype)
+    tail_t, log_tail_t = _bucket_tail(t, _tail_floor(k, teacher.dtype), dtype)
     p_s = torch.cat([s.exp(), tail_s], -1)
     p_t = torch.cat([t.exp(), tail_t], -1)
     return p_s, torch.cat([s, log_tail_s], -1), p_t, torch.cat([t, log_tail_t], -1)
@@ -311,12 +399,21 @@ def topk_forward_kl(
     see :func:`gather_topk_logprobs`) and the tail convention ``tail``:
 
     * ``"bucket"`` (default): one more outcome, "any other token", of mass
-      ``1 - sum_k p_.,k`` for each model. The loss is the exact KL between the two
+      ``p_.,tail = 1 - sum_k p_.,k`` for each model. The loss is the exact KL between the two
       distributions coarsened to ``K + 1`` outcomes: ``>= 0``, ``<=`` the full-vocabulary KL
       (data processing), equal to it when the top-k covers the vocabulary, and the tail term
       penalises a student that puts too much (or too little) mass outside the teacher's top-k.
-      A tail's log is floored at the dtype's epsilon (a full-vocabulary top-k leaves only
-      rounding there). TRL's server distillation ``loss_add_tail=True`` is this convention.
+      TRL's server distillation ``loss_add_tail=True`` is this convention.
+
+      Precision: ``p_.,tail = -expm1(lse)`` and ``log p_.,tail = log1mexp(lse)``, ``lse =
+      logsumexp_k log p_.,k``, are computed in float64 from the inputs (float32 on MPS), so
+      float32 inputs give the loss and gradient of float64 to float32 rounding. A tail
+      ``<= tau = (1 + ln K) * eps`` (``eps``: float32's machine epsilon, or the inputs' own if
+      coarser, as for bfloat16) is within the rounding of the inputs themselves and is taken
+      as 0: probability 0 (no term, no gradient) and, as the other model's log, ``log tau``.
+      A teacher whose top-k hold all the mass (``K = V``) then adds no tail term to the forward
+      KL; a student that puts mass ``m`` where the teacher's tail is 0 pays ``m log(m / tau)``
+      in the reverse KL (``+inf`` in exact arithmetic). The loss is ``>= -tau``.
     * ``"renormalize"``: both restricted to the top-k and renormalised over it (the KL of the
       conditionals given "the token is in the teacher's top-k"); it ignores how much mass the
       student puts outside.

@@ -138,10 +138,23 @@ def aggregate_pairs(
     """
     check_float("loss", loss)
     check_ndim("loss", loss, 1)
+    if weights is not None:  # named against loss, not aggregate's internal mask
+        check_same_device("weights", weights, "loss", loss)
     mask = torch.ones(loss.shape[0], 1, dtype=torch.bool, device=loss.device)
-    return aggregate(
-        loss.unsqueeze(-1), mask, "seq-mean-token-sum", weights=weights, num_seqs=num_pairs, dp_size=dp_size
-    )
+    try:
+        return aggregate(
+            loss.unsqueeze(-1),
+            mask,
+            "seq-mean-token-sum",
+            weights=weights,
+            num_seqs=num_pairs,
+            dp_size=dp_size,
+        )
+    except ValueError as err:  # aggregate's num_seqs is this function's num_pairs: say so
+        msg = str(err)
+        if msg.startswith("num_seqs: "):
+            raise ValueError("num_pairs: " + msg[len("num_seqs: ") :]) from None
+        raise
 
 
 # --------------------------------------------------------------------------- DPO family

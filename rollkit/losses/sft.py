@@ -47,7 +47,9 @@ def sft_nll(
 
     Returns:
         ``LossOutput(loss [B, T], metrics)``; metrics: ``nll`` (mean over valid tokens, 0 over
-        an empty mask) and ``ppl`` (``exp(nll)``).
+        an empty mask) and ``ppl`` (``exp(nll)``, a float64 scalar: finite up to a mean NLL of
+        709.78, where a float32 one would overflow to ``inf`` past 88.72; float32 on MPS,
+        which has no float64).
 
     >>> from rollkit.losses import aggregate
     >>> lp = torch.tensor([[-1.0, -2.0, 9.0], [-3.0, 9.0, 9.0]], requires_grad=True)
@@ -67,7 +69,9 @@ def sft_nll(
     with torch.no_grad():
         n = mask.sum().to(loss.dtype)
         nll = safe_div(loss.detach().sum(), n)
-    return LossOutput(zero_outside(loss, mask), {"nll": nll, "ppl": nll.exp()})
+        # float32's exp overflows past 88.72; float64's past 709.78 (MPS has no float64)
+        ppl = nll.to(torch.float32 if nll.device.type == "mps" else torch.float64).exp()
+    return LossOutput(zero_outside(loss, mask), {"nll": nll, "ppl": ppl})
 
 
 def sequence_logprobs(
