@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainers.engines.guard import guarded
 from trainers.engines.vllm_rollout import _refresh_tied_lm_head
 
 __all__ = [
@@ -216,14 +218,6 @@ def server_command(
     return cmd + [str(a) for a in extra_args]
 
 
-def _kill_with_parent() -> None:
-    """In the child: die with SIGTERM when the process that started it dies (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class LocalServer:
     """A ``vllm serve`` subprocess rollkit started (its own process group)."""
@@ -244,10 +238,30 @@ class LocalServer:
             return ""
         return " | ".join(line.strip() for line in text[-lines:] if line.strip())
 
+    def log_errors(self, lines: int = 400) -> str:
+        """Why the server died, in one line: the first and the last distinct exception lines
+        (``SomeError: message``; the first is usually the root cause, the last what ended the
+        process) in the last ``lines`` lines of the log, else its last ``ERROR`` line."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        found: list[str] = []
+        for line in text:
+            m = _EXCEPTION_LINE.match(line.strip())
+            if m and m.group(1).strip() not in found:
+                found.append(m.group(1).strip())
+        if not found:
+            found = [line.strip() for line in text if " ERROR " in line][-1:]
+        return " | ".join(found[:1] + found[1:][-1:])[:600]
+
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``timeout_s``; idempotent."""
+        """SIGTERM the process group, SIGKILL it after ``timeout_s``; idempotent. A group whose
+        guard has exited is still signalled (a server killed alone leaves its engine process)."""
         _LIVE.discard(self)
         if self.process.poll() is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             return
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -261,8 +275,17 @@ class LocalServer:
     __hash__ = object.__hash__
 
 
+#: a traceback's last line (``RuntimeError: ...``, ``torch.OutOfMemoryError: ...``), after vLLM's
+#: ``(EngineCore pid=12) ERROR 11-27 21:48:37 [core.py:1512]`` prefix if any; a WARNING or INFO
+#: line that quotes an error does not match
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\([^)]*\)\s*)?(?:(?:ERROR|CRITICAL)\s+\S+\s+\S+\s+\[[^\]]*\]\s*)?"
+    r"((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b: .*)$"
+)
 _LIVE: set[LocalServer] = set()
 _HANDLERS_INSTALLED = False
+_START_LOCK = threading.Lock()  # a start and the stop at exit never interleave
+_EXITING = False
 
 
 def stop_servers(servers: Sequence[LocalServer] | None = None) -> None:
@@ -271,18 +294,26 @@ def stop_servers(servers: Sequence[LocalServer] | None = None) -> None:
         s.stop()
 
 
+def _stop_at_exit() -> None:
+    """Stop every server and refuse new ones (a replacement starting on a background thread)."""
+    global _EXITING
+    with _START_LOCK:
+        _EXITING = True
+    stop_servers()
+
+
 def _install_handlers() -> None:
     """Stop the servers at exit and on SIGTERM (Ctrl-C raises KeyboardInterrupt, then atexit)."""
     global _HANDLERS_INSTALLED
     if _HANDLERS_INSTALLED:
         return
     _HANDLERS_INSTALLED = True
-    atexit.register(stop_servers)
+    atexit.register(_stop_at_exit)
     if threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum: int, frame: Any) -> None:
-            stop_servers()
+            _stop_at_exit()
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN:
@@ -321,20 +352,21 @@ def start_server(
     cmd = server_command(model_path, port, **command_kw)
     log_path = run / f"server-{index}.log"
     full_env = _server_env(kv_cache_gib, env)
-    main = threading.current_thread() is threading.main_thread()
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=full_env,
-            start_new_session=True,  # its own process group: stopped as a whole
-            preexec_fn=_kill_with_parent if main else None,  # pdeathsig follows the starting thread
-        )
-    server = LocalServer(proc, f"http://{host}:{port}", log_path, cmd, full_env)
-    _install_handlers()
-    _LIVE.add(server)
+    with _START_LOCK:
+        if _EXITING:
+            raise ServerError(f"start_server: not starting a server of {model_path}: the process is exiting")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                guarded(cmd),  # stopped with its group when this process dies, even by SIGKILL
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                start_new_session=True,  # its own process group: stopped as a whole
+            )
+        server = LocalServer(proc, f"http://{host}:{port}", log_path, cmd, full_env)
+        _install_handlers()
+        _LIVE.add(server)
     return server
 
 

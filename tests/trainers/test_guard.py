@@ -1,0 +1,104 @@
+"""The process guard (trainers.engines.guard): a command started under it, from the main thread or
+from a worker thread, is stopped when the process that started it dies, SIGKILL included; the
+guard exits with the command's code; a SIGTERM to the group stops both."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from trainers.engines.guard import guarded, main
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process groups and /proc: Linux")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout=30.0):
+    end = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+STARTER = textwrap.dedent(
+    """
+    import subprocess, sys, threading, time
+    from trainers.engines.guard import guarded
+
+    def start():
+        p = subprocess.Popen(guarded(["sleep", "300"]), start_new_session=True)
+        print(p.pid, flush=True)
+
+    if sys.argv[1] == "thread":  # as rollkit starts a replacement server
+        t = threading.Thread(target=start)
+        t.start()
+        t.join()  # the starting thread has ended: PR_SET_PDEATHSIG would fire now
+    else:
+        start()
+    time.sleep(300)
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_a_killed_parent_takes_the_guarded_command_with_it(where):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", STARTER, where], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )  # fmt: skip
+    guard = int(parent.stdout.readline())
+    deadline = time.monotonic() + 20
+    while not (kids := _children(guard)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kids, "the guard started no command"
+    time.sleep(1.0)
+    assert all(alive(p) for p in [guard, *kids])  # alive while the parent lives (thread case too)
+    parent.kill()
+    parent.wait()
+    assert wait_gone([guard, *kids]) == []
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_the_guard_exits_with_the_commands_code_and_stops_on_sigterm():
+    assert subprocess.run(guarded([sys.executable, "-c", "raise SystemExit(3)"]), cwd=ROOT).returncode == 3
+    p = subprocess.Popen(guarded(["sleep", "300"]), start_new_session=True, cwd=ROOT)
+    time.sleep(1.0)
+    kids = _children(p.pid)
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=10) == 128 + signal.SIGTERM
+    assert wait_gone(kids, 5) == []
+
+
+def test_bad_arguments_are_refused():
+    assert main(["x", "--", "true"]) == 2 and main(["1"]) == 2
+
+
+def test_what_the_command_leaves_in_the_group_is_stopped_when_it_exits():
+    """A server killed alone leaves its engine process behind: the guard stops it, then exits
+    with the command's code."""
+    p = subprocess.run(
+        guarded(["sh", "-c", "sleep 300 & echo $!; exit 3"]), start_new_session=True, cwd=ROOT,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 3
+    assert wait_gone([int(p.stdout.split()[0])], 5) == []
