@@ -79,7 +79,9 @@ class ModelConfig:
     path: str = ""
     dtype: str = "float32"
     tiny_seed: int = 0
-    tiny_heads: int = 4  # attention heads of the tiny model (vLLM on CPU needs head size >= 32: 2)
+    # attention heads of the tiny model (hidden size 64); 0: 4 heads (head size 16), or 2 (head size
+    # 32) when rollout.engine is vllm or server, whose CPU attention has no head size 16
+    tiny_heads: int = 0
     tiny_kv_heads: int = 2
 
 
@@ -833,7 +835,7 @@ def _check_common(cfg: Any) -> None:
             ("rollout.max_tokens", r.max_tokens, "int>=1"),
             ("algorithm.entropy_coef", a.entropy_coef, ">=0"),
             ("algorithm.kl.coef", a.kl.coef, ">=0"),
-            ("model.tiny_heads", cfg.model.tiny_heads, "int>=1"),
+            ("model.tiny_heads", cfg.model.tiny_heads, "int>=0"),
             ("model.tiny_kv_heads", cfg.model.tiny_kv_heads, "int>=1"),
         ]
     )

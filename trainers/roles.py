@@ -99,9 +99,11 @@ class Roles:
     def rollout_metrics(self) -> dict[str, float]:
         """The rollout engine's own counters, where it keeps any (the server engine's
         ``server/*``: live, dropped and restarted servers, re-routed requests, errors, weight
-        updates); ``{}`` for the others."""
+        updates, and ``server/drop_cause``, a string); ``{}`` for the others."""
         counts = getattr(self.rollout, "metrics", None)
-        return {k: float(v) for k, v in counts().items()} if callable(counts) else {}
+        if not callable(counts):
+            return {}
+        return {k: v if isinstance(v, str) else float(v) for k, v in counts().items()}
 
     def close(self) -> None:
         """Stop the reward workers, the Ray actors / placement groups and the inference servers

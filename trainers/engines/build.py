@@ -132,6 +132,15 @@ def lr_lambda(cfg: Any) -> Callable[[int], float]:
     return f
 
 
+def tiny_heads(cfg: Any) -> int:
+    """``model.tiny_heads``, where 0 picks 4 heads (head size 16), or 2 (head size 32) for a vLLM
+    rollout (``rollout.engine`` vllm or server): vLLM's CPU attention has no head size 16."""
+    if cfg.model.tiny_heads:
+        return int(cfg.model.tiny_heads)
+    engine = getattr(getattr(cfg, "rollout", None), "engine", "hf")
+    return 2 if engine in ("vllm", "server") else 4
+
+
 def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of ``cfg.model``: the tiny Qwen2 + character tokenizer for
     ``"tiny"`` (``max_positions`` long), else a local Hugging Face checkpoint (``""``: the
@@ -143,7 +152,7 @@ def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
         model = tiny_qwen2(
             tok,
             seed=m.tiny_seed,
-            heads=m.tiny_heads,
+            heads=tiny_heads(cfg),
             kv_heads=m.tiny_kv_heads,
             dtype=dtype,
             max_positions=max_positions,

@@ -21,7 +21,6 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -33,21 +32,13 @@ from torch import Tensor
 
 from trainers.engines.base import Generation, SamplingParams
 from trainers.engines.requests import Request, _check_new
-from trainers.engines.vllm_rollout import _checkpoint_shapes
-from trainers.engines.vllm_server import (
-    LocalServer,
-    ServerClient,
-    ServerError,
-    launch_servers,
-    start_server,
-    stop_servers,
-    wait_healthy,
-)
+from trainers.engines.server_pool import ServerPool
+from trainers.engines.vllm_rollout import _check_cpu_head_size, _checkpoint_shapes
+from trainers.engines.vllm_server import LocalServer, ServerClient, ServerError, launch_servers, stop_servers
 
 __all__ = ["ServerRolloutEngine", "reload_weights_on", "weights_to_send"]
 
 _GENERATE = "/inference/v1/generate"
-_PROBE = "Hello, 12+34=46."
 
 
 @dataclass
@@ -69,8 +60,6 @@ class _Job:
 class _Metrics:
     requests: int = 0
     rerouted: int = 0
-    dropped: int = 0
-    restarted: int = 0
     errors: int = 0
     weight_updates: int = 0
     weight_update_s: float = 0.0
@@ -90,10 +79,6 @@ def _sampling_body(p: SamplingParams, max_tokens: int, seed: int | None) -> dict
         "detokenize": False,
         "skip_special_tokens": False,
     }
-
-
-def _stop_local(servers: list[LocalServer]) -> None:
-    stop_servers(servers)
 
 
 def _continuation_seed(req: Request) -> int | None:
@@ -190,33 +175,43 @@ class ServerRolloutEngine:
             raise ValueError(f"urls: expected a non-empty list of server addresses, got {urls!r}")
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
-        self.clients = [ServerClient(u, timeout_s=timeout_s) for u in urls]
+        # routing, health, drops and replacements (the servers rollkit started stop with it)
+        self.pool = ServerPool(
+            urls, timeout_s=timeout_s, local_servers=local_servers, restart=restart, restart_kw=restart_kw
+        )
+        self.pool.on_replace = self._load_current_weights
         self.timeout_s, self.request_timeout_s = float(timeout_s), float(request_timeout_s)
         self.max_retries, self.seeded, self.dtype = int(max_retries), bool(seeded), dtype
-        if len(local_servers) > len(urls):
-            raise ValueError(f"local_servers: {len(local_servers)} servers for {len(urls)} addresses")
-        self.local_servers: list[LocalServer] = list(local_servers)  # every server started, to stop
-        self._proc: dict[int, LocalServer] = dict(enumerate(local_servers))  # server index -> process
-        self.restart, self.restart_kw = bool(restart), dict(restart_kw or {})
         self.tokenizer = tokenizer
-        self.model_name, self.max_model_len = self._check_models()
+        self.model_name, self.max_model_len = self.pool.check_models()
         if tokenizer is not None:
-            self._check_tokenizer(tokenizer)
+            self.pool.check_tokenizer(tokenizer, self.model_name)
         self._shapes, self.tie_word_embeddings = self._model_facts(model_path)
         self._own_weights_dir = weights_dir is None
         self.weights_dir = Path(weights_dir or tempfile.mkdtemp(prefix="rollkit-server-weights-"))
         self._weights_file: Path | None = None
         self.policy_version = 0
         self.pad_token_id, self.eos_token_ids = self._special_ids(tokenizer)
-        self._live: set[int] = set(range(len(self.clients)))
         self._jobs: dict[str, _Job] = {}
         self._direct: dict[int, int] = {}  # server -> requests of generate_one in flight
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="rollkit-server")
         self._metrics = _Metrics()
         self.sleep_frees_memory = False
-        # the servers rollkit started stop with the engine (and at exit, whichever comes first)
-        self._finalizer = weakref.finalize(self, _stop_local, self.local_servers)
+
+    # the pool's state under the names the engine has always had
+    clients = property(lambda self: self.pool.clients)
+    local_servers = property(lambda self: self.pool.local_servers)
+    _proc = property(lambda self: self.pool.procs)
+    _live = property(lambda self: self.pool.live)
+
+    @property
+    def restart(self) -> bool:
+        return self.pool.restart
+
+    @restart.setter
+    def restart(self, value: bool) -> None:
+        self.pool.restart = bool(value)
 
     # ------------------------------------------------------------------ construction
 
@@ -234,6 +229,9 @@ class ServerRolloutEngine:
         """Start ``num_servers`` local servers of ``model_path`` (logs and weights in ``run_dir``,
         default a temporary directory) and connect to them; ``server_kw``: how to start them
         (:func:`~trainers.engines.vllm_server.start_server`), ``engine_kw``: the constructor's."""
+        if not torch.cuda.is_available():  # the local servers are vLLM's CPU build
+            config = json.loads((Path(model_path) / "config.json").read_text())
+            _check_cpu_head_size(config, model_path)
         run = Path(run_dir or tempfile.mkdtemp(prefix="rollkit-servers-"))
         kw = dict(server_kw or {})
         kw.setdefault("dtype", engine_kw.get("dtype", "float32"))
@@ -252,38 +250,6 @@ class ServerRolloutEngine:
         except BaseException:
             stop_servers(servers)
             raise
-
-    def _check_models(self) -> tuple[str, int | None]:
-        """Every server answers ``/v1/models`` with one model, the same one."""
-        seen: list[tuple[str, str, int | None]] = []
-        for c in self.clients:
-            models = c.models()
-            if len(models) != 1:
-                raise ServerError(f"server {c.url}: serves {len(models)} models, expected exactly one")
-            m = models[0]
-            seen.append((str(m.get("id")), str(m.get("root")), m.get("max_model_len")))
-        if len({(i, r, n) for i, r, n in seen}) > 1:
-            pairs = ", ".join(f"{c.url}: {r} (max_model_len {n})" for c, (_, r, n) in zip(self.clients, seen))
-            raise ServerError(f"model mismatch between servers: {pairs}")
-        return seen[0][0], seen[0][2]
-
-    def _check_tokenizer(self, tokenizer: Any) -> None:
-        """The trainer's tokenizer and the servers' encode a probe text the same way."""
-        mine = list(tokenizer(_PROBE, add_special_tokens=False).input_ids)
-        for c in self.clients:
-            try:
-                theirs = c.post(
-                    "/tokenize", {"model": self.model_name, "prompt": _PROBE, "add_special_tokens": False}
-                )
-            except ServerError as e:
-                if e.status == 404:  # a tokens-only server has no tokenizer to compare
-                    continue
-                raise
-            if list(theirs.get("tokens", [])) != mine:
-                raise ServerError(
-                    f"model mismatch: server {c.url} ({self.model_name}) encodes {_PROBE!r} as "
-                    f"{theirs.get('tokens')}, the trainer's tokenizer as {mine}"
-                )
 
     @staticmethod
     def _model_facts(model_path: Any) -> tuple[dict[str, tuple[int, ...]] | None, bool]:
@@ -308,17 +274,14 @@ class ServerRolloutEngine:
 
     @property
     def num_live_servers(self) -> int:
-        return len(self._live)
+        return len(self.pool.live)
 
     def _pick_server(self) -> int:
         """The live server with the fewest outstanding requests (lowest index on ties)."""
-        if not self._live:
-            raise ServerError(f"no live servers left ({self._metrics.dropped} dropped)")
-        load = {i: self._direct.get(i, 0) for i in self._live}
+        load = dict(self._direct)
         for j in list(self._jobs.values()):
-            if j.server in load:
-                load[j.server] += 1
-        return min(load, key=lambda i: (load[i], i))
+            load[j.server] = load.get(j.server, 0) + 1
+        return self.pool.pick(load)
 
     def add(self, requests: Sequence[Request]) -> None:
         held = set(self._jobs)
@@ -405,8 +368,8 @@ class ServerRolloutEngine:
         """A request's server failed: drop the server if it no longer answers ``/health``;
         raise once the request has failed ``max_retries + 1`` times."""
         self._metrics.errors += 1
-        if not self.clients[job.server].healthy(timeout=min(5.0, self.timeout_s)):
-            self._drop(job.server)
+        if not self.pool.healthy(job.server):
+            self.pool.drop(job.server, why)
         if job.tries >= self.max_retries:
             raise ServerError(f"request {job.req.request_id!r} failed {job.tries + 1} times; last: {why}")
         self._metrics.rerouted += 1
@@ -449,39 +412,10 @@ class ServerRolloutEngine:
                 self._failed(job, str(exc) if exc is not None else f"finished with {job.finish!r}")
             tries += 1
 
-    def _drop(self, server: int) -> None:
-        if server not in self._live:
-            return
-        self._live.discard(server)
-        self._metrics.dropped += 1
-        local = self._proc.get(server)
-        if local is not None:
-            local.stop()
-            if self.restart and self.restart_kw:
-                threading.Thread(target=self._replace, args=(server,), daemon=True).start()
-
-    def _replace(self, server: int) -> None:
-        """Background: start a new local server in place of a dead one, load the current
-        weights, then put it back in the rotation."""
-        kw = dict(self.restart_kw)
-        model_path, run_dir, deadline = kw.pop("model_path"), kw.pop("run_dir"), kw.pop("startup_timeout_s")
-        new = start_server(model_path, run_dir, index=len(self.local_servers), **kw)
-        self.local_servers.append(new)  # stopped with the engine even before it joins
-        try:
-            wait_healthy([new], deadline)
-            client = ServerClient(new.url, timeout_s=self.timeout_s)
-            if self._weights_file is not None:
-                reload_weights_on(client, self.weights_dir, self.policy_version, self._reload_timeout)
-        except Exception:
-            new.stop()
-            return
-        with self._lock:
-            if self._pool._shutdown:  # the engine was shut down meanwhile
-                new.stop()
-                return
-            self.clients[server], self._proc[server] = client, new
-            self._live.add(server)
-            self._metrics.restarted += 1
+    def _load_current_weights(self, client: ServerClient) -> None:
+        """A replacement server takes the weights the others have (the pool's ``on_replace``)."""
+        if self._weights_file is not None:
+            reload_weights_on(client, self.weights_dir, self.policy_version, self._reload_timeout)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
         ids = list(self._jobs) if request_ids is None else [i for i in request_ids if i in self._jobs]
@@ -498,7 +432,7 @@ class ServerRolloutEngine:
         for j in jobs:
             by_server.setdefault(j.server, []).append(f"generate-tokens-{j.rid}")
         for s, rids in by_server.items():
-            if s in self._live:
+            if s in self.pool.live:
                 try:
                     self.clients[s].post("/abort_requests", {"request_ids": rids}, timeout=self.timeout_s)
                 except ServerError:
@@ -560,16 +494,15 @@ class ServerRolloutEngine:
         save_file(weights, str(tmp))
         os.replace(tmp, self.weights_dir / "model.safetensors")
         self._weights_file = self.weights_dir / "model.safetensors"
-        failures = []
-        for i in sorted(self._live):
+        for i in sorted(self.pool.live):
             try:
                 reload_weights_on(self.clients[i], self.weights_dir, version, self._reload_timeout)
             except ServerError as e:
-                failures.append(str(e))
-                self._drop(i)
-        if not self._live:
+                self.pool.drop(i, str(e))
+        if not self.pool.live:
+            last = f"; last: {self.pool.causes[-1]}" if self.pool.causes else ""
             raise ServerError(
-                f"update_weights: no live server took the weights; {failures[0] if failures else ''}"
+                f"update_weights: no live server took the weights ({self.pool.dropped} dropped{last})"
             )
         self.policy_version = int(version)
         self._metrics.weight_updates += 1
@@ -583,19 +516,15 @@ class ServerRolloutEngine:
 
     def check_health(self) -> int:
         """``GET /health`` on every live server; drop those that fail. Returns the live count."""
-        for i in sorted(self._live):
-            if not self.clients[i].healthy(timeout=min(5.0, self.timeout_s)):
-                self._drop(i)
-        return len(self._live)
+        return self.pool.check_health()
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, Any]:
         """``server/*`` counters: live and dropped servers, restarts, re-routed requests, errors,
-        weight updates and their mean seconds."""
+        weight updates and their mean seconds; once a server was dropped, ``server/drop_cause``
+        (a string: the latest drop's exit code and the error lines of its log)."""
         m = self._metrics
         return {
-            "server/live": float(len(self._live)),
-            "server/dropped": float(m.dropped),
-            "server/restarted": float(m.restarted),
+            **self.pool.metrics(),
             "server/requests": float(m.requests),
             "server/rerouted": float(m.rerouted),
             "server/errors": float(m.errors),
@@ -620,7 +549,7 @@ class ServerRolloutEngine:
         if self._jobs:
             self.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._finalizer()
+        self.pool.close()
         if self._own_weights_dir:
             import shutil
 
