@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,11 @@ class Tracker:
         self.want_plot = plot
         rows = read_metrics(self.jsonl) if resume_step is not None and self.jsonl.exists() else []
         rows = [r for r in rows if r.get("step", 0) <= (resume_step or 0)]
-        with self.jsonl.open("w") as f:
+        tmp = self.jsonl.with_name(self.jsonl.name + ".tmp")  # a kill mid-rewrite keeps the old rows
+        with tmp.open("w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.jsonl)
         self.history: list[dict[str, Any]] = rows
         self.tb = None
         if tensorboard:
