@@ -102,3 +102,42 @@ def test_what_the_command_leaves_in_the_group_is_stopped_when_it_exits():
     )  # fmt: skip
     assert p.returncode == 3
     assert wait_gone([int(p.stdout.split()[0])], 5) == []
+
+
+WATCHER = textwrap.dedent(
+    """
+    import subprocess, time
+    from trainers.engines.guard import child_pids, watch
+
+    before = child_pids()
+    kid = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"])  # a child and a grandchild
+    time.sleep(0.5)
+    w = watch(child_pids() - before)
+    print(kid.pid, w.pid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def test_a_watcher_stops_what_a_library_started_when_the_parent_is_killed():
+    """As for vLLM's engine core: processes started without the guard, and their children."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", WATCHER], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )  # fmt: skip
+    kid, watcher = map(int, parent.stdout.readline().split())
+    grandkids = _children(kid)
+    assert grandkids and alive(watcher) and alive(kid)
+    parent.kill()
+    parent.wait()
+    assert wait_gone([kid, *grandkids, watcher]) == []
+
+
+def test_a_watcher_exits_when_what_it_watches_has_ended():
+    from trainers.engines.guard import watch
+
+    kid = subprocess.Popen(["sleep", "1"])
+    w = watch({kid.pid}, grace_s=1.0)
+    kid.wait()
+    assert w.wait(timeout=10) == 0
+    assert watch(set()) is None

@@ -62,14 +62,14 @@ def wait_none_left(tag: str, timeout: float = 60.0) -> list[int]:
     return left
 
 
-def recipe(tmp_path: Path, tag: str, steps: int) -> subprocess.Popen:
+def recipe(tmp_path: Path, tag: str, steps: int, engine: str = "server") -> subprocess.Popen:
     args = [
         sys.executable, str(ROOT / "recipes" / "rlvr_qwen.py"), "--model", "tiny",
-        "rollout.engine=server", f"rollout.server_dir={tmp_path / 'servers'}", "rollout.max_model_len=128",
+        f"rollout.engine={engine}", f"rollout.server_dir={tmp_path / 'servers'}", "rollout.max_model_len=128",
         "data.digits=1", "data.eval_size=4", "eval.before=false", "eval.every=0", "eval.max_tokens=4",
         "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=8", f"train.steps={steps}",
         f"logging.dir={tmp_path / 'log'}", "logging.progress=false", "logging.tensorboard=false",
-        "logging.plot=false", "rollout.server_startup_timeout_s=900",
+        "logging.plot=false", "rollout.server_startup_timeout_s=900", "reward.backend=process",
     ]  # fmt: skip
     env = dict(os.environ, **{TAG: tag}, PYTHONPATH=str(ROOT))
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -85,14 +85,18 @@ def wait_for_step(tmp_path: Path, proc: subprocess.Popen, timeout: float = 900.0
     raise AssertionError(f"no step trained (exit {proc.poll()}): {proc.stdout.read() if proc.poll() else ''}")
 
 
-def test_a_killed_trainer_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("engine", ["server", "vllm"])
+def test_a_killed_trainer_leaves_no_process(tmp_path, engine):
+    """``server``: the guard stops the server's group; ``vllm`` (in process, its engine core a
+    multiprocessing child): the watcher started beside ``vllm.LLM`` stops the engine core; the
+    process reward workers (forkserver) end with their pipes."""
     tag = uuid.uuid4().hex
-    proc = recipe(tmp_path, tag, steps=500)
+    proc = recipe(tmp_path, tag, steps=500, engine=engine)
     try:
         wait_for_step(tmp_path, proc)
         running = tagged(tag)
-        assert len(running) >= 3  # the trainer, a guard, the server and its engine process
-        proc.kill()  # no atexit, no finally: only the guard can stop the server now
+        assert len(running) >= 3  # the trainer, a guard or watcher, vLLM's engine process
+        proc.kill()  # no atexit, no finally: only the guard / the watcher can stop them now
         proc.wait()
         assert wait_none_left(tag) == []
     finally:

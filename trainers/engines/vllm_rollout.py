@@ -29,6 +29,7 @@ from torch import Tensor
 
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.guard import child_pids, watch
 from trainers.engines.lora import ADAPTER_NAME, write_adapter
 
 __all__ = ["VLLMRolloutEngine"]
@@ -247,6 +248,7 @@ class VLLMRolloutEngine:
         if self.tie_word_embeddings and self.device_type == "cpu" and not self._in_process:
             # _refresh_tied_lm_head is sent to the worker process as a pickled function.
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        before = child_pids()
         self.llm = vllm.LLM(
             model=str(path),
             dtype=dtype,
@@ -257,6 +259,9 @@ class VLLMRolloutEngine:
             logprobs_mode="processed_logprobs",
             **kwargs,
         )
+        # vLLM's engine core process (multiprocessing) outlives a trainer killed with SIGKILL:
+        # a watcher stops it then (trainers.engines.guard.watch)
+        self._watcher = watch(child_pids() - before)
         self._vllm = vllm
         self.sleep_frees_memory: bool = bool(enable_sleep_mode)
         self.tokenizer = self.llm.get_tokenizer()
