@@ -22,6 +22,7 @@ _SUBMODULES = (
     "advantages",
     "buffer",
     "correction",
+    "domains",
     "filters",
     "keys",
     "logprobs",

@@ -216,6 +216,7 @@ _MODULES = [
     "rollkit.trajectory",
     "rollkit.buffer",
     "rollkit.scheduling",
+    "rollkit.domains",
 ]
 
 

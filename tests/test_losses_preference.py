@@ -1,4 +1,5 @@
-"""Preference losses (DPO / cDPO / rDPO, IPO, SimPO, ORPO) and their pair aggregation.
+"""Preference losses (DPO / cDPO / rDPO, IPO, SimPO, ORPO), the Bradley-Terry reward-model
+loss, and their pair aggregation.
 
 The references are TRL 1.16's own functions where they exist as callable code
 (``CPOTrainer.cpo_loss`` for SimPO, ``ORPOTrainer.odds_ratio_loss``); DPO and IPO live inside
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from rollkit.losses import (
     aggregate_pairs,
+    bradley_terry,
     dpo,
     global_normalizers,
     ipo,
@@ -271,3 +273,105 @@ def test_bad_inputs_raise_one_line_errors_naming_the_argument():
         c,
         weights=torch.ones(6, device="meta"),
     )
+
+
+# =========================================================================== Bradley-Terry
+
+
+def _bt_reference(c, r, m):
+    """InstructGPT eq. 1 / Llama 2 eq. 2 written out in float64: log(1 + exp(-(c - r - m)))."""
+    return torch.log1p(torch.exp(-(c.double() - r.double() - m)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("margin", ["none", "float", "tensor"])
+def test_bradley_terry_value_and_gradient_match_float64_autograd(dtype, margin):
+    g = torch.Generator().manual_seed(11)
+    c, r = (
+        (torch.randn(9, generator=g, dtype=torch.float64) * 4).to(dtype),
+        torch.randn(9, generator=g).to(dtype),
+    )
+    m = {"none": 0.0, "float": 0.7, "tensor": torch.rand(9, generator=g, dtype=dtype) * 2}[margin]
+    c1, r1 = c.clone().requires_grad_(), r.clone().requires_grad_()
+    out = bradley_terry(c1, r1, margin=m)
+    gc, gr = torch.autograd.grad(out.loss.sum(), (c1, r1))
+    c2, r2 = c.double().requires_grad_(), r.double().requires_grad_()
+    m64 = m.double() if isinstance(m, torch.Tensor) else m
+    ref = _bt_reference(c2, r2, m64)
+    rc, rr = torch.autograd.grad(ref.sum(), (c2, r2))
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    assert out.loss.dtype == dtype and out.loss.shape == (9,)
+    torch.testing.assert_close(out.loss.double(), ref.detach(), **tol)
+    torch.testing.assert_close(gc.double(), rc, **tol)
+    torch.testing.assert_close(gr.double(), rr, **tol)
+    # closed form: dL/dr_w = -sigma(m - (r_w - r_l)) = -dL/dr_l
+    torch.testing.assert_close(gc.double(), -torch.sigmoid(m64 - (c.double() - r.double())), **tol)
+    torch.testing.assert_close(gr, -gc)
+
+
+def test_bradley_terry_is_stable_at_any_score_gap():
+    gap = torch.tensor([-1e30, -1e4, -50.0, 0.0, 50.0, 1e4, 1e30], dtype=torch.float32)
+    c = gap.clone().requires_grad_()
+    out = bradley_terry(c, torch.zeros(7))
+    (g,) = torch.autograd.grad(out.loss.sum(), c)
+    assert torch.isfinite(out.loss).all() and torch.isfinite(g).all()
+    torch.testing.assert_close(out.loss[:3], -gap[:3])  # -log sigma(z) -> -z for z -> -inf
+    assert out.loss[3].item() == pytest.approx(math.log(2)) and torch.all(out.loss[4:] < 1e-20)
+    torch.testing.assert_close(g, -torch.sigmoid(-gap))
+
+
+@given(
+    st.lists(st.floats(-30, 30), min_size=1, max_size=8),
+    st.floats(-30, 30),
+    st.floats(-1e3, 1e3),
+    st.floats(-5, 5),
+)
+def test_bradley_terry_properties(scores, shift, other, margin):
+    """Invariant to a shift of both scores (only differences are identified), symmetric
+    (swapping the responses flips the sign of the gap), and a per-pair margin equals the
+    same number."""
+    c = torch.tensor(scores, dtype=torch.float64)
+    r = torch.full_like(c, other / 100)
+    base = bradley_terry(c, r, margin=margin).loss
+    torch.testing.assert_close(bradley_terry(c + shift, r + shift, margin=margin).loss, base)
+    torch.testing.assert_close(bradley_terry(c, r, margin=torch.full_like(c, margin)).loss, base)
+    # -log sigma(z) - (-log sigma(-z)) = -z
+    flipped = bradley_terry(r, c, margin=-margin).loss
+    torch.testing.assert_close(base - flipped, -(c - r - margin))
+    assert torch.all(base >= 0)
+
+
+def test_bradley_terry_metrics_margin_and_edge_cases():
+    c, r = torch.tensor([2.0, 0.0, -1.0, 3.0]), torch.tensor([1.0, 0.0, 1.0, 0.0])
+    out = bradley_terry(c, r, margin=0.5)
+    assert out.metrics == {
+        "rewards/chosen": torch.tensor(1.0),
+        "rewards/rejected": torch.tensor(0.5),
+        "rewards/accuracies": torch.tensor(0.5),  # r_w > r_l, ties lose, margin not subtracted
+        "rewards/margins": torch.tensor(0.5),
+    }
+    # the margin is a constant: no gradient reaches it
+    m = torch.full((4,), 0.5, requires_grad=True)
+    assert not bradley_terry(c, r, margin=m).loss.requires_grad
+    # empty batch, 16-bit scores computed in float32, the mean through aggregate_pairs
+    e = bradley_terry(torch.zeros(0), torch.zeros(0))
+    assert e.loss.shape == (0,) and all(float(v) == 0.0 for v in e.metrics.values())
+    half = bradley_terry(c.bfloat16(), r.bfloat16())
+    assert half.loss.dtype == torch.float32
+    torch.testing.assert_close(aggregate_pairs(out.loss), out.loss.mean())
+
+
+def test_bradley_terry_bad_inputs_raise_one_line_errors_naming_the_argument():
+    c, r = torch.zeros(3), torch.ones(3)
+    _raises("^chosen_rewards: ", bradley_terry, c[None], r)
+    _raises("^chosen_rewards: expected a floating", bradley_terry, c.long(), r)
+    _raises("^rejected_rewards: shape", bradley_terry, c, r[:2])
+    _raises("^rejected_rewards: expected a floating", bradley_terry, c, r.long())
+    _raises("^margin: must be finite", bradley_terry, c, r, margin=math.inf)
+    _raises("^margin: must be finite", bradley_terry, c, r, margin=math.nan)
+    _raises("^margin: expected a number", bradley_terry, c, r, margin="1")
+    _raises("^margin: shape", bradley_terry, c, r, margin=torch.zeros(2))
+    _raises("^margin: expected a floating", bradley_terry, c, r, margin=torch.zeros(3, dtype=torch.long))
+    _raises("^margin: contains 1 NaN", bradley_terry, c, r, margin=torch.tensor([0.0, math.nan, 0.0]))
+    with pytest.raises(TypeError):
+        bradley_terry(c, r, 0.5)  # the margin is keyword-only

@@ -1,5 +1,5 @@
 """Preference losses on sequence log-probs: DPO (with cDPO / robust label smoothing), IPO,
-SimPO and ORPO.
+SimPO and ORPO; and the Bradley-Terry loss of a reward model on its scalar scores.
 
 Every loss takes ``[P]`` sequence log-probs of the chosen and rejected responses of ``P``
 pairs (:func:`rollkit.losses.sequence_logprobs` computes them from token log-probs and a
@@ -22,6 +22,7 @@ from rollkit.losses._common import compute_dtype
 from rollkit.losses.aggregation import aggregate
 from rollkit.types import LossOutput
 from rollkit.validation import (
+    check_finite,
     check_float,
     check_ndim,
     check_positive,
@@ -31,7 +32,7 @@ from rollkit.validation import (
     check_tensor,
 )
 
-__all__ = ["aggregate_pairs", "dpo", "ipo", "orpo", "simpo"]
+__all__ = ["aggregate_pairs", "bradley_terry", "dpo", "ipo", "orpo", "simpo"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -397,3 +398,64 @@ def orpo(
         {"nll_loss": _mean(nll), "log_odds_ratio": _mean(ratio), "log_odds_chosen": _mean(log_odds)}
     )
     return LossOutput(loss, metrics)
+
+
+# --------------------------------------------------------------------------- reward model
+
+
+def bradley_terry(
+    chosen_rewards: Tensor,  # [P] r(x, y_w), the reward model's scores, carry the gradient
+    rejected_rewards: Tensor,  # [P] r(x, y_l)
+    *,
+    margin: float | Tensor = 0.0,  # a number, or [P] per pair
+) -> LossOutput:
+    """The Bradley-Terry loss of a reward model (Bradley & Terry 1952; InstructGPT, Ouyang et
+    al. 2022, arXiv:2203.02155, eq. 1), with the optional margin of Llama 2 (Touvron et al.
+    2023, arXiv:2307.09288, eq. 2).
+
+        P(y_w > y_l | x) = sigma(r(x, y_w) - r(x, y_l))                 (Bradley-Terry model)
+        L = -log sigma(r_w - r_l - m)
+
+    The negative log-likelihood of the human preference under the Bradley-Terry model of
+    pairwise comparisons: the reward model's scalar scores of the chosen and rejected
+    responses are its logits. ``margin`` ``m`` asks for a gap (Llama 2 uses a per-pair margin
+    that grows with the rating of the preference): a number, or a ``[P]`` tensor, a constant
+    (detached). Computed as ``-logsigmoid`` (finite value and gradient at any score gap, no
+    ``log(0)``), in float32 for 16-bit scores. This is TRL's ``RewardTrainer`` loss (without
+    its ``center_rewards_coefficient`` term). InstructGPT averages over all ``C(K, 2)`` pairs
+    of a prompt's ``K`` ranked responses: pass every pair, reduce with
+    :func:`aggregate_pairs` (its ``weights`` can give each prompt the same total weight).
+
+    Gradient: ``dL/dr_w = -sigma(m - (r_w - r_l)) = -dL/dr_l``.
+
+    Args:
+        chosen_rewards, rejected_rewards: ``[P]`` float scores of the chosen and rejected
+            responses.
+        margin: finite, a number or a ``[P]`` float tensor.
+
+    Returns:
+        ``LossOutput(loss [P], metrics)``; metrics (means over the pairs): ``rewards/chosen``,
+        ``rewards/rejected``, ``rewards/accuracies`` (fraction with ``r_w > r_l``; the margin
+        is not subtracted), ``rewards/margins`` (mean ``r_w - r_l``).
+
+    >>> out = bradley_terry(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.0]), margin=1.0)
+    >>> torch.allclose(out.loss, -torch.nn.functional.logsigmoid(torch.tensor([0.0, -1.0])))
+    True
+    >>> float(out.metrics["rewards/accuracies"]), float(out.metrics["rewards/margins"])
+    (0.5, 0.5)
+    """
+    _check_pairs(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards)
+    if isinstance(margin, Tensor):
+        check_float("margin", margin)
+        check_same_shape("margin", margin, "chosen_rewards", chosen_rewards)
+        check_same_device("margin", margin, "chosen_rewards", chosen_rewards)
+        check_finite("margin", margin)
+    else:
+        margin = check_real("margin", margin)
+        if not math.isfinite(margin):
+            raise ValueError(f"margin: must be finite, got {margin}")
+    dtype = compute_dtype(chosen_rewards)
+    c, r = _cast(dtype, chosen_rewards, rejected_rewards)
+    m = margin.detach().to(dtype) if isinstance(margin, Tensor) else margin
+    loss = -F.logsigmoid(c - r - m)
+    return LossOutput(loss, _reward_metrics(c, r))
