@@ -186,6 +186,12 @@ class KLConfig:
     coef: float = 0.0
     estimator: str = "k3"  # a name of rollkit.registry.KL_ESTIMATORS
     mode: str = "loss"  # "loss": a regularizer term; "reward": a per-sequence reward penalty
+    # > 0: the adaptive KL controller of Ziegler et al. 2019 (rollkit.losses.kl.AdaptiveKLController;
+    # ROLL target_kl, verl algorithm.kl_ctrl.type=adaptive + kl_ctrl.target_kl): after each step
+    # coef <- coef * (1 + clip(kl / target - 1, -0.2, 0.2) * batch_size / horizon), kl the measured
+    # token-mean KL (kl/rollout). Needs mode=reward and coef > 0 (as in ROLL and verl). 0: fixed coef
+    target: float = 0.0
+    horizon: float = 10000.0  # the controller's horizon in samples (ROLL kl_horizon, verl kl_ctrl.horizon)
 
 
 @dataclass
@@ -219,6 +225,15 @@ class AlgorithmConfig:
     aggregation: str = "token-mean"
     entropy_coef: float = 0.0
     reward_normalizer: bool = False  # running reward standardisation before the advantages
+    # > 0: clamp each sequence reward to [-reward_clip, reward_clip] after the KL penalty and the
+    # normaliser, before the advantages (ROLL reward_clip; rollkit.rewards.clip_rewards). 0: off
+    reward_clip: float = 0.0
+    # whiten the token advantages over the batch's response tokens, (A - mean) / sqrt(var + eps)
+    # (ROLL whiten_advantages; rollkit.ops.masked_whiten), before advantage_clip
+    whiten_advantages: bool = False
+    # > 0: clamp each advantage to [-advantage_clip, advantage_clip] (ROLL advantage_clip;
+    # rollkit.rewards.clip_advantages). 0: off
+    advantage_clip: float = 0.0
     kl: KLConfig = field(default_factory=KLConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
@@ -230,6 +245,15 @@ class FilterConfig:
 
     zero_variance: bool = False
     max_rounds: int = 3
+    # drop groups whose mean reward (pass rate) p is outside accuracy_low < p < accuracy_high and
+    # generate again, like zero_variance (ROLL difficulty_mask with difficulty_low_threshold /
+    # difficulty_high_threshold; rollkit.filters.accuracy_band_filter, inclusive="neither")
+    accuracy_band: bool = False
+    accuracy_low: float = 0.0
+    accuracy_high: float = 1.0
+    # no loss on samples that stopped at the length limit (finish_reason "length"): DAPO overlong
+    # filtering (ROLL max_len_mask; rollkit.rewards.mask_truncated). They stay in the batch
+    max_len_mask: bool = False
 
 
 @dataclass
@@ -278,6 +302,11 @@ class RewardConfig:
     max_workers: int = 0  # > 0: the pool grows with its queue up to this many workers (0: fixed size)
     idle_s: float = 10.0  # with max_workers: a surplus worker idle this long is stopped
     timeout_s: float = 10.0  # per sample; past it the sample scores 0 (process / Ray: the worker is killed)
+    # > 0: DAPO soft overlong punishment added to each reward (rollkit.rewards.overlong_penalty;
+    # verl reward_model.overlong_buffer.len / penalty_factor): 0 up to rollout.max_tokens -
+    # overlong_buffer tokens, then linear down to -overlong_penalty at rollout.max_tokens. 0: off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     max_retries: int = 1  # a sample whose worker died is scored again on a fresh worker, this many times
     cpus_per_worker: float = 0.0  # Ray backend: CPUs each reward actor reserves
     judge_model: str = ""  # llm_judge: "" = SmolLM2-135M-Instruct, "tiny", or a HF checkpoint directory
@@ -730,6 +759,22 @@ def save_config(cfg: Any, path: str | Path) -> Path:
     return path
 
 
+#: One-line ``--help`` descriptions (with the ROLL / verl name) of the fields that have one.
+FIELD_HELP = {
+    "algorithm.reward_clip": "> 0: clamp rewards to [-c, c] (ROLL reward_clip); 0: off",
+    "algorithm.whiten_advantages": "whiten advantages over the batch's tokens (ROLL whiten_advantages)",
+    "algorithm.advantage_clip": "> 0: clamp advantages to [-c, c] (ROLL advantage_clip); 0: off",
+    "algorithm.kl.target": "> 0: adaptive KL coef, needs kl.mode=reward (ROLL target_kl, verl kl_ctrl.target_kl)",
+    "algorithm.kl.horizon": "adaptive KL horizon in samples (ROLL kl_horizon, verl kl_ctrl.horizon)",
+    "filter.accuracy_band": "drop groups with mean reward outside (accuracy_low, accuracy_high) (ROLL difficulty_mask)",
+    "filter.accuracy_low": "accuracy band's low edge, exclusive (ROLL difficulty_low_threshold)",
+    "filter.accuracy_high": "accuracy band's high edge, exclusive (ROLL difficulty_high_threshold)",
+    "filter.max_len_mask": "no loss on samples cut at rollout.max_tokens (ROLL max_len_mask, DAPO overlong filtering)",
+    "reward.overlong_buffer": "> 0: DAPO soft overlong punishment window (verl overlong_buffer.len); 0: off",
+    "reward.overlong_penalty": "its largest penalty (verl overlong_buffer.penalty_factor)",
+}
+
+
 def _help_rows(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
     rows = []
     for f in dataclasses.fields(obj):
@@ -738,7 +783,8 @@ def _help_rows(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
         if dataclasses.is_dataclass(tp):
             rows.extend(_help_rows(value, f"{prefix}{f.name}."))
         else:
-            rows.append((f"{prefix}{f.name}", _type_name(tp), repr(value), ""))
+            name = f"{prefix}{f.name}"
+            rows.append((name, _type_name(tp), repr(value), FIELD_HELP.get(name, "")))
     return rows
 
 
@@ -758,8 +804,10 @@ def help_text(cfg: Config | None = None) -> str:
         "",
         f"{'field'.ljust(w)}  {'type'.ljust(t)}  default",
     ]
-    for name, tp, default, _ in rows:
-        lines.append(f"{name.ljust(w)}  {tp.ljust(t)}  {default}")
+    d = max(len(r[2]) for r in rows if r[3]) if any(r[3] for r in rows) else 0
+    for name, tp, default, desc in rows:
+        line = f"{name.ljust(w)}  {tp.ljust(t)}  {default.ljust(d) if desc else default}"
+        lines.append(f"{line}  {desc}" if desc else line)
     return os.linesep.join(lines)
 
 
@@ -835,6 +883,10 @@ def _check_common(cfg: Any) -> None:
             ("rollout.max_tokens", r.max_tokens, "int>=1"),
             ("algorithm.entropy_coef", a.entropy_coef, ">=0"),
             ("algorithm.kl.coef", a.kl.coef, ">=0"),
+            ("algorithm.kl.target", a.kl.target, ">=0"),
+            ("algorithm.kl.horizon", a.kl.horizon, ">0"),
+            ("algorithm.reward_clip", a.reward_clip, ">=0"),
+            ("algorithm.advantage_clip", a.advantage_clip, ">=0"),
             ("model.tiny_heads", cfg.model.tiny_heads, "int>=0"),
             ("model.tiny_kv_heads", cfg.model.tiny_kv_heads, "int>=1"),
         ]
@@ -944,6 +996,56 @@ def _check_algorithm(c: Config) -> None:
         )
 
 
+def _check_roll_options(c: Config) -> None:
+    """ROLL's reward / advantage / filter / adaptive-KL options (docs/trainer.md); the numbers
+    of the ``algorithm`` ones are checked by :func:`_check_common`."""
+    f, rw, kl = c.filter, c.reward, c.algorithm.kl
+    _check_numbers(
+        [
+            ("filter.accuracy_low", f.accuracy_low, ">=0"),
+            ("filter.accuracy_high", f.accuracy_high, ">=0"),
+            ("reward.overlong_buffer", rw.overlong_buffer, "int>=0"),
+            ("reward.overlong_penalty", rw.overlong_penalty, ">=0"),
+        ]
+    )
+    if not f.accuracy_low < f.accuracy_high <= 1:
+        raise ValueError(
+            f"filter.accuracy_low / accuracy_high: need 0 <= accuracy_low < accuracy_high <= 1 (groups with "
+            f"low < mean reward < high are kept), got {f.accuracy_low!r}, {f.accuracy_high!r}"
+        )
+    if f.accuracy_band and c.tail_batching.enabled:
+        raise ValueError(
+            "filter.accuracy_band: not wired in tail batching (its policy filters with filter.zero_variance "
+            "only); set tail_batching.enabled=false or filter.accuracy_band=false"
+        )
+    if rw.overlong_buffer > c.rollout.max_tokens:
+        raise ValueError(
+            f"reward.overlong_buffer ({rw.overlong_buffer}) must be <= rollout.max_tokens ({c.rollout.max_tokens})"
+        )
+    if kl.target:
+        if kl.mode != "reward" or not kl.coef:
+            raise ValueError(
+                f"algorithm.kl.target: the adaptive KL controller drives the KL reward penalty (as in ROLL and "
+                f"verl): set algorithm.kl.mode=reward and algorithm.kl.coef > 0 (got mode={kl.mode}, "
+                f"coef={kl.coef:g})"
+            )
+        batch = c.rollout.prompts_per_step * c.rollout.n
+        if batch > 5 * kl.horizon:
+            raise ValueError(
+                f"algorithm.kl.horizon ({kl.horizon:g}) must be >= batch size / 5 = {batch / 5:g} (a larger "
+                "update could make the KL coefficient negative)"
+            )
+
+
+#: ``algorithm`` options the RLVR trainer wires and the agentic one does not (field, value, off)
+RLVR_ONLY_ALGORITHM = (
+    ("algorithm.reward_clip", lambda a: a.reward_clip, 0.0),
+    ("algorithm.advantage_clip", lambda a: a.advantage_clip, 0.0),
+    ("algorithm.whiten_advantages", lambda a: a.whiten_advantages, False),
+    ("algorithm.kl.target", lambda a: a.kl.target, 0.0),
+)
+
+
 def parse_length_dist(spec: str) -> tuple[float, float] | None:
     """``rollout.length_dist``: ``""`` (None) or ``"lognormal:MEDIAN:SIGMA"`` -> ``(median, sigma)``."""
     if not spec:
@@ -1044,6 +1146,7 @@ def validate(cfg: Config) -> None:
     _check_common(c)
     _check_rollout_extras(c)
     _check_algorithm(c)
+    _check_roll_options(c)
     _check_data(c)
     parse_length_dist(c.rollout.length_dist)
     _check_servers(c.rollout)
@@ -1188,6 +1291,9 @@ def validate_agentic(cfg: AgenticConfig) -> None:
         raise ValueError(f"env.chat_template: expected auto, on or off, got {cfg.env.chat_template!r}")
     if a.kl.coef:
         raise ValueError("algorithm.kl.coef: the agentic trainer has no reference policy; set it to 0")
+    for name, get, off in RLVR_ONLY_ALGORITHM:
+        if get(a) != off:
+            raise ValueError(f"{name}: wired in the RLVR trainers only, not the agentic one; set it to {off}")
     if r.engine != "hf":
         raise ValueError(
             f"rollout.engine={r.engine!r}: the agentic trainer builds the embedded hf engine; pass other "

@@ -174,6 +174,9 @@ class AsyncTrainer:
             self.rewards,
             self.codec.decode,
             zero_variance=cfg.filter.zero_variance,
+            accuracy_band=(
+                (cfg.filter.accuracy_low, cfg.filter.accuracy_high) if cfg.filter.accuracy_band else None
+            ),
             replicate=ac.replicate,
         )
 

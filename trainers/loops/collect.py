@@ -6,8 +6,9 @@ sample (for the throughput). Every sample is handed to the reward pool the momen
 so scoring overlaps generation.
 
 * :class:`GroupCollector`: ``rollout.n`` samples for each of ``rollout.prompts_per_step`` prompts;
-  dynamic sampling (``filter.zero_variance``) drops groups whose rewards all agree and generates
-  again, at most ``filter.max_rounds`` rounds. With ``rollout.length_dist`` (the W1 long-tail
+  dynamic sampling (``filter.zero_variance``) drops groups whose rewards all agree, and
+  ``filter.accuracy_band`` those whose mean reward is outside the band, and generates again, at
+  most ``filter.max_rounds`` rounds. With ``rollout.length_dist`` (the W1 long-tail
   workload) every sample is its own request with its own length budget
   (:class:`RequestMaker`), through the rollout engine's request-level view.
 * :class:`TailCollector`: one round of RollPacker's tail batching (``tail_batching.enabled``;
@@ -34,7 +35,14 @@ from trainers.loops.lengths import LengthSampler
 from trainers.ray import RayRequestEngine
 from trainers.rewards import RewardPool
 
-__all__ = ["Group", "GroupCollector", "RequestMaker", "TailCollector", "sampling_params"]
+__all__ = [
+    "Group",
+    "GroupCollector",
+    "RequestMaker",
+    "TailCollector",
+    "accuracy_band_keep",
+    "sampling_params",
+]
 
 #: one kept group: the prompt, its samples and their rewards
 Group = tuple[Prompt, list[Generation], list[float]]
@@ -142,6 +150,22 @@ def request_view(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -
     return as_request_engine(rollout, chunk_tokens=cfg.rollout.chunk_tokens, seed=seed)
 
 
+def accuracy_band_keep(cfg: Config, rewards: list[float], group_ids: torch.Tensor) -> torch.Tensor:
+    """``filter.accuracy_band``: the keep-mask of :func:`rollkit.filters.accuracy_band_filter`
+    (``accuracy_low < group mean reward < accuracy_high``, ROLL's ``difficulty_mask``); the
+    rewards are the pass rates, so they must lie in ``[0, 1]``."""
+    f = cfg.filter
+    try:
+        return FILTERS.entry("accuracy_band").call(
+            {"accuracy": torch.tensor(rewards, dtype=torch.float32), "group_ids": group_ids},
+            low=f.accuracy_low,
+            high=f.accuracy_high,
+            inclusive="neither",
+        )
+    except ValueError as e:
+        raise ValueError(f"filter.accuracy_band: the rewards are its accuracies: {e}") from None
+
+
 class GroupCollector:
     """n samples per prompt, scored as they finish, with dynamic-sampling refills (module docstring).
 
@@ -180,7 +204,9 @@ class GroupCollector:
         all_lens: list[int] = []
         rounds = 0
         by_source: dict[str, list[float]] = defaultdict(list)
-        max_rounds = cfg.filter.max_rounds if cfg.filter.zero_variance else 1
+        f = cfg.filter
+        max_rounds = f.max_rounds if f.zero_variance or f.accuracy_band else 1
+        band_dropped = 0
         while len(groups) < P and rounds < max_rounds:
             prompts = self.iterator.next_batch(P - len(groups))
             gens, rewards = self.generate_and_score(prompts, sampling_params(cfg, rounds, step), step, timer)
@@ -190,16 +216,23 @@ class GroupCollector:
             all_rewards += rewards
             all_lens += [len(g.token_ids) for g in gens]
             keep = torch.ones(len(gens), dtype=torch.bool)
-            if cfg.filter.zero_variance:
-                gid = torch.arange(len(prompts)).repeat_interleave(n)
+            gid = torch.arange(len(prompts)).repeat_interleave(n)
+            if f.zero_variance:
                 keep = FILTERS.entry("zero_variance").call(
                     {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_ids": gid}
                 )
+            if f.accuracy_band:
+                band = accuracy_band_keep(cfg, rewards, gid)
+                band_dropped += int((keep & ~band).sum()) // n
+                keep = keep & band
             for i, p in enumerate(prompts):
                 if bool(keep[i * n]):
                     groups.append((p, gens[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n]))
         groups = groups[:P]
-        return groups, _rollout_metrics(all_rewards, all_lens, rounds, len(groups), by_source), all_lens
+        metrics = _rollout_metrics(all_rewards, all_lens, rounds, len(groups), by_source)
+        if f.accuracy_band:
+            metrics["filter/accuracy_band_dropped"] = band_dropped
+        return groups, metrics, all_lens
 
     def generate_and_score(
         self, prompts: list[Prompt], params: SamplingParams, step: int, timer: Timer

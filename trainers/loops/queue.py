@@ -17,7 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rollkit.buffer import SampleBuffer
+from rollkit.registry import FILTERS
 from trainers.config import Config
 from trainers.data import Prompt, PromptIterator
 from trainers.engines.requests import Request, RequestEngine
@@ -72,6 +75,8 @@ class QueueScheduler:
         new_group: makes the next admitted group (a :class:`GroupFactory`).
         rewards: the reward pool; decode: token ids -> text for the verifier.
         zero_variance: drop groups whose rewards all agree (``filter.zero_variance``).
+        accuracy_band: ``(low, high)``: also drop groups whose mean reward is not strictly
+            inside (``filter.accuracy_band``, ROLL's ``difficulty_mask``); None: off.
         replicate: one request per sample, each to the least-loaded engine (else a prompt's
             samples stay on one engine).
 
@@ -88,11 +93,13 @@ class QueueScheduler:
         decode: Any,
         *,
         zero_variance: bool = False,
+        accuracy_band: tuple[float, float] | None = None,
         replicate: bool = True,
     ) -> None:
         self.engines, self.buffer, self.new_group = list(engines), buffer, new_group
         self.rewards, self.decode = rewards, decode
         self.zero_variance, self.replicate = zero_variance, replicate
+        self.accuracy_band = accuracy_band
         self.cond = threading.Condition()
         self.groups: dict[int, ScheduledGroup] = {}
         self.resubmit: list[Request] = []  # stopped at a weight update, to continue first
@@ -404,13 +411,30 @@ class QueueScheduler:
                 self._settle(g)
         return bool(scored)
 
+    def _in_band(self, rewards: list[float]) -> bool:
+        """Whether the group's mean reward is inside ``accuracy_band`` (the rollkit filter's rule)."""
+        assert self.accuracy_band is not None
+        low, high = self.accuracy_band
+        keep = FILTERS.entry("accuracy_band").call(
+            {
+                "accuracy": torch.tensor(rewards, dtype=torch.float32),
+                "group_ids": torch.zeros(len(rewards), dtype=torch.int64),
+            },
+            low=low,
+            high=high,
+            inclusive="neither",
+        )
+        return bool(keep[0])
+
     def _settle(self, g: ScheduledGroup) -> None:
         del self.groups[g.rid]
         rewards = [g.scores[j] for j in range(len(g.requests))]
         with self.cond:
             if not self.buffer.is_running(g.rid):
                 return  # expired meanwhile
-            if self.zero_variance and len(rewards) > 1 and max(rewards) == min(rewards):
+            if (self.zero_variance and len(rewards) > 1 and max(rewards) == min(rewards)) or (
+                self.accuracy_band is not None and not self._in_band(rewards)
+            ):
                 self.buffer.abort(g.rid)
                 self.counts["filtered"] += 1
             else:

@@ -3,9 +3,15 @@
 :class:`GroupUpdate` takes the kept groups ``(prompt, n generations, n rewards)`` and runs::
 
     pack (the rollout's log-probs are the old ones) -> [old / proximal recompute on the trainer,
-    mismatch correction weights] -> [reference log-probs, KL as a reward penalty or a loss term]
-    -> [running reward normalisation] -> advantages (registry name) -> [colocated rollout sleeps]
-    -> the learner's PPO update (every train rank)
+    mismatch correction weights] -> [DAPO soft overlong penalty] -> [reference log-probs, KL as
+    a reward penalty (adaptive coefficient) or a loss term] -> [running reward normalisation] ->
+    [reward clip] -> advantages (registry name) -> [max-length mask] -> [advantage whitening]
+    -> [advantage clip] -> [colocated rollout sleeps] -> the learner's PPO update (every train rank)
+
+The bracketed ROLL options (``reward.overlong_*``, ``algorithm.kl.target``,
+``algorithm.reward_clip``, ``filter.max_len_mask``, ``algorithm.whiten_advantages``,
+``algorithm.advantage_clip``) are off by default; docs/trainer.md lists them. The sync,
+tail-batching and async loops all train through this class, so they share them.
 """
 
 from __future__ import annotations
@@ -14,11 +20,19 @@ from typing import Any
 
 import torch
 
+from rollkit.losses.kl import AdaptiveKLController
+from rollkit.ops import masked_whiten
 from rollkit.registry import ADVANTAGE_ESTIMATORS, REGULARIZERS
-from rollkit.rewards import RunningRewardNormalizer
+from rollkit.rewards import (
+    RunningRewardNormalizer,
+    clip_advantages,
+    clip_rewards,
+    mask_truncated,
+    overlong_penalty,
+)
 from trainers.config import Config
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
-from trainers.learner import apply_correction, needs_recompute
+from trainers.learner import apply_correction, loss_mask, needs_recompute
 from trainers.loops.collect import Group
 from trainers.loops.common import Timer
 from trainers.roles import Roles
@@ -29,13 +43,18 @@ __all__ = ["GroupUpdate"]
 class GroupUpdate:
     """Advantages and the PPO update of a step's groups (module docstring).
 
-    State: the running reward normaliser (``algorithm.reward_normalizer``), checkpointed with the loop.
+    State: the running reward normaliser (``algorithm.reward_normalizer``) and the adaptive KL
+    controller (``algorithm.kl.target``), checkpointed with the loop.
     """
 
     def __init__(self, cfg: Config, roles: Roles, pad_id: int) -> None:
         self.cfg, self.roles, self.pad_id = cfg, roles, pad_id
-        self.adv_entry = ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
-        self.normalizer = RunningRewardNormalizer() if cfg.algorithm.reward_normalizer else None
+        a = cfg.algorithm
+        self.adv_entry = ADVANTAGE_ESTIMATORS.entry(a.advantage)
+        self.normalizer = RunningRewardNormalizer() if a.reward_normalizer else None
+        self.kl_ctrl = (
+            AdaptiveKLController(a.kl.coef, target=a.kl.target, horizon=a.kl.horizon) if a.kl.target else None
+        )
 
     def __call__(
         self, groups: list[Group], step: int, timer: Timer, *, recompute: bool = False
@@ -45,7 +64,8 @@ class GroupUpdate:
         rollout's as ``behavior_logprobs`` (asynchronous training with stale samples); also done
         when ``algorithm.correction`` asks for it (``recompute_old``, or a correction level)."""
         cfg, a, n = self.cfg, self.cfg.algorithm, self.cfg.rollout.n
-        batch = pack_generations([g for _, gs, _ in groups for g in gs], self.pad_id)
+        gens = [g for _, gs, _ in groups for g in gs]
+        batch = pack_generations(gens, self.pad_id)
         metrics: dict[str, float] = {}
         if recompute or needs_recompute(a.correction):
             self.recompute_proximal(batch, timer)
@@ -53,6 +73,17 @@ class GroupUpdate:
         mask = batch.response_mask
         group_ids = torch.arange(len(groups)).repeat_interleave(n)
         rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
+        if cfg.reward.overlong_buffer:  # DAPO soft overlong punishment, added to the task reward
+            pen = overlong_penalty(
+                torch.tensor([len(g.token_ids) for g in gens], dtype=torch.int64),
+                max_length=cfg.rollout.max_tokens,
+                cache_length=cfg.reward.overlong_buffer,
+                penalty_factor=cfg.reward.overlong_penalty,
+                dtype=torch.float32,
+            )
+            rewards = rewards + pen
+            metrics["reward/overlong_penalty_mean"] = float(pen.mean())
+            metrics["reward/overlong_frac"] = float((pen < 0).float().mean())
         ref_lp = None
         if self.roles.reference is not None:
             with timer("reference"):
@@ -68,9 +99,16 @@ class GroupUpdate:
             )
             metrics["kl/rollout"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
             if a.kl.mode == "reward":
-                rewards = rewards - a.kl.coef * kl_tok.sum(-1)
+                coef = a.kl.coef if self.kl_ctrl is None else self.kl_ctrl.value
+                rewards = rewards - coef * kl_tok.sum(-1)
+            if self.kl_ctrl is not None:  # this step's coefficient; the next from this step's KL
+                metrics["kl/coef"] = self.kl_ctrl.value
+                self.kl_ctrl.update(metrics["kl/rollout"], n_steps=len(rewards))
         if self.normalizer is not None:
             rewards = self.normalizer.normalize(rewards)
+        if a.reward_clip:
+            metrics["reward/clipped_frac"] = float((rewards.abs() > a.reward_clip).float().mean())
+            rewards = clip_rewards(rewards, low=-a.reward_clip, high=a.reward_clip)
         adv = self.adv_entry.call(
             {
                 "rewards": rewards,
@@ -82,6 +120,7 @@ class GroupUpdate:
         )
         adv = adv[0] if isinstance(adv, tuple) else adv
         adv = (adv[:, None] if adv.dim() == 1 else adv) * mask
+        adv = self._shape_advantages(batch, gens, adv, metrics)
         metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
         if self.roles.offload:
             with timer("offload"):
@@ -89,6 +128,29 @@ class GroupUpdate:
         with timer("train"):
             metrics.update(self.roles.learner.update(batch, adv, ref_lp, seed=cfg.seed * 7919 + step))
         return metrics
+
+    def _shape_advantages(
+        self, batch: PackedBatch, gens: list[Any], adv: torch.Tensor, metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """``filter.max_len_mask`` (into ``batch.keep``), then ``algorithm.whiten_advantages`` and
+        ``algorithm.advantage_clip`` of ``adv`` ``[B, T]``; their metrics go into ``metrics``."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        mask = batch.response_mask
+        if cfg.filter.max_len_mask:  # DAPO overlong filtering: no loss on truncated samples
+            truncated = torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.bool)
+            kept = mask_truncated(mask, truncated)
+            batch.keep = kept if batch.keep is None else batch.keep & kept
+            metrics["filter/max_len_masked_frac"] = float(truncated.float().mean())
+        if a.whiten_advantages:
+            sel = loss_mask(batch)
+            if int(sel.sum()) >= 2:  # the unbiased variance needs two tokens
+                adv = masked_whiten(adv, sel) * mask
+        if a.advantage_clip:
+            metrics["advantage/clipped_frac"] = float(
+                ((adv.abs() > a.advantage_clip) & mask).sum() / mask.sum().clamp(min=1)
+            )
+            adv = clip_advantages(adv, max_abs=a.advantage_clip)
+        return adv
 
     def _logprobs(self, policy: Any, batch: PackedBatch) -> torch.Tensor:
         r = self.cfg.rollout
@@ -117,8 +179,15 @@ class GroupUpdate:
         batch.old_logprobs = proximal * batch.response_mask
 
     def state_dict(self) -> dict[str, Any]:
-        return {"normalizer": None if self.normalizer is None else self.normalizer.state_dict()}
+        state: dict[str, Any] = {
+            "normalizer": None if self.normalizer is None else self.normalizer.state_dict()
+        }
+        if self.kl_ctrl is not None:
+            state["kl_ctrl"] = self.kl_ctrl.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.normalizer is not None and state.get("normalizer") is not None:
             self.normalizer.load_state_dict(state["normalizer"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
