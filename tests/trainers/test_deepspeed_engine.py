@@ -34,12 +34,14 @@ SPLITS = [slice(0, 5), slice(5, 7), slice(7, 12)]  # unequal micro-batches
 # the tiny model); 0 partitions every parameter, so the gathers are really exercised.
 Z3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 # After one AdamW step (lr 1e-3: each weight moves by about 1e-3) the engines' weights agree
-# to 5e-6. Not exactly: a few gradients are ~1e-10, below Adam's eps of 1e-8 (the k_proj bias,
+# to 1e-5 (1% of the move). Not exactly: a few gradients are ~1e-10, below Adam's eps of 1e-8 (the k_proj bias,
 # which softmax ignores, and some others), and there Adam's update lr * g / (|g| + eps) turns
 # a float32 rounding difference in g (ZeRO-3 sums micro-batch gradients into its partitions
-# in another order: measured ~1e-10) into ~1e-6. The gradients themselves agree to float32
-# rounding (test_accumulation_equals_full_batch, with SGD).
-ADAM_ATOL = 5e-6
+# in another order: measured ~1e-10) into up to lr * 1e-10 / eps = 1e-5. Measured: under 5e-6
+# on earlier CPUs; 5.75e-6 (one gate_proj element, test_nonfinite_gradient_skips_the_step[3])
+# on a 2-core AMD EPYC without AVX-512. The gradients themselves agree to float32 rounding
+# (test_accumulation_equals_full_batch, with SGD).
+ADAM_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
