@@ -11,10 +11,26 @@ Masks are ``torch.bool`` tensors of the shape of the data. Conventions, used eve
   They check their arguments (an ``index`` out of range is a ``ValueError`` naming ``index``,
   a value check skipped inside ``value_checks(False)``); rollkit's estimators call unchecked
   private twins with indices they built themselves.
-* Squares are formed in the working dtype (float32 for float32 / 16-bit inputs): a deviation
-  above about ``1.8e19`` overflows a float32 variance; pass float64 for such magnitudes.
-  :func:`group_normalize` instead scales by the group's largest deviation before squaring,
-  so its result never overflows.
+* Dtypes: sums (:func:`masked_sum`, :func:`segment_sum`) and extremes (:func:`segment_min`,
+  :func:`segment_max`) take float or integer tensors; means, variances, standard deviations,
+  whitening and normalisation take floating-point tensors only (an integer mean is not an
+  integer: ``InvalidTypeError``, a ``ValueError`` and ``TypeError``, naming ``x``; pass
+  ``x.float()``). Bool and complex tensors are refused everywhere. 16-bit float statistics
+  are computed in float32 and cast back.
+* Numerics: no intermediate overflows or underflows for finite float input. Each slice
+  (segment) is divided by a power of two near its largest magnitude (exact: the rounding is
+  that of the unscaled arithmetic) before it is summed or squared, and the result multiplied
+  back, so a sum, mean or variance is the float64 result rounded to the dtype (to float32
+  accuracy) whenever that result is representable, and ``+-inf`` only when it is not: values
+  of ``3e38`` average to ``3e38``, a spread of ``1e19`` has a float32 variance of ``1e38``,
+  not ``inf`` or NaN. Variances are taken of the deviations from the slice's minimum, so
+  values far from 0 with a small spread keep their precision.
+* Non-finite input: masked-out entries never matter (even NaN / inf). A selected NaN makes
+  its slice's sum, mean, variance, min and max NaN; a selected ``+-inf`` makes a sum or mean
+  ``+-inf`` (NaN if both signs), a variance NaN, and is ordered as usual by min / max.
+* ``dim``: an int or a tuple of distinct ints in ``[-x.ndim, x.ndim)``, or ``None`` (every
+  dimension); anything else raises naming ``dim`` (an out-of-range one a ``ValueError`` that
+  gives ``x.ndim``, a non-int an ``InvalidTypeError``).
 * ``meta`` tensors: the masked reductions and segment ops run on ``meta`` (shape inference)
   inside ``rollkit.validation.value_checks(False)``; with the checks on they raise a
   ``ValueError`` naming the argument. :func:`group_index` reads the ids (``torch.unique``) and
@@ -27,6 +43,7 @@ import torch
 from torch import Tensor
 
 from rollkit.validation import (
+    check_dim,
     check_float,
     check_group_ids,
     check_int,
@@ -34,6 +51,7 @@ from rollkit.validation import (
     check_mask,
     check_ndim,
     check_positive,
+    check_real_tensor,
     check_same_device,
     check_tensor,
     values_readable,
@@ -63,28 +81,73 @@ def masked_sum(
     """Sum of ``x`` where ``mask`` is True.
 
     Args:
-        x: ``[...]`` float tensor.
+        x: ``[...]`` float or integer tensor (integers are summed in int64, as ``torch.sum``
+            does: exact unless the sum leaves int64's range, where it wraps around; bool and
+            complex are refused).
         mask: bool tensor of the shape of ``x``.
         dim: dimension(s) to reduce; ``None`` reduces everything to a scalar.
 
     Masked-out entries are replaced by zero *before* summing (``torch.where``), so a NaN or
     inf under the mask never leaks into the result or its gradient.
 
+    Numerics: a float slice is divided by a power of two near its largest magnitude before
+    it is summed (exact), so finite values whose partial sums would overflow (``3e38 + 3e38
+    - 3e38 - 3e38``) still give the float64 sum rounded; ``+-inf`` only when the sum itself is
+    beyond the dtype's range.
+
     >>> masked_sum(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([True, False, True]))
     tensor(4.)
     """
-    check_tensor("x", x)
+    check_real_tensor("x", x)
     check_mask("mask", mask, x, "x")
+    dims = check_dim("dim", dim, x.ndim)
     z = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    if dim is None:
-        return z.sum()
-    return z.sum(dim=dim, keepdim=keepdim)
+    if not z.is_floating_point():
+        return z.sum() if dims is None else z.sum(dim=dims, keepdim=keepdim)
+    z, dims, keep = _flat(z, dims, keepdim)
+    p = _slice_scale(z, dims)
+    return _squeeze((z / p).sum(dim=dims, keepdim=True) * p, dims, keep)
 
 
-def _count(mask: Tensor, dim, keepdim: bool, dtype: torch.dtype) -> Tensor:
-    if dim is None:
-        return mask.sum().to(dtype)
-    return mask.sum(dim=dim, keepdim=keepdim).to(dtype)
+def _flat(x: Tensor, dims: tuple[int, ...] | None, keepdim: bool) -> tuple[Tensor, tuple[int, ...], bool]:
+    """``(x, dims, keepdim)`` with ``dims=None`` (or a 0-dim ``x``) turned into a reduction of
+    dimension 0 of the flattened ``x`` (a 0-dim result, as ``x.sum()``)."""
+    if dims is None or x.ndim == 0:
+        return x.reshape(-1), (0,), False
+    return x, dims, keepdim
+
+
+def _squeeze(x: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:
+    return x if keepdim else x.squeeze(dims)
+
+
+_EXP_BITS = {
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+}
+
+
+def _pow2(m: Tensor) -> Tensor:
+    """For ``m >= 0`` (detached): the largest power of two ``p <= m``, so ``m / p`` is in
+    ``[1, 2)`` and dividing by ``p`` is exact. ``p`` is the dtype's smallest normal number
+    where ``m`` is 0 or subnormal, and 1 where ``m`` is inf or NaN (nothing to scale: the
+    non-finite values propagate). Read from the exponent bits: no ``log2`` / ``exp2``
+    rounding, the same on every device."""
+    int_dtype, bits = _EXP_BITS[m.dtype]
+    p = (m.contiguous().view(int_dtype) & bits).view(m.dtype)  # mantissa (and sign) cleared
+    tiny = torch.full((), torch.finfo(m.dtype).tiny, dtype=m.dtype, device=m.device)
+    p = torch.where(p == 0, tiny, p)
+    return torch.where(torch.isinf(p), torch.ones_like(p), p)
+
+
+def _slice_scale(z: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """Per-slice power-of-two scale of ``z`` (zero outside the mask) over ``dims``, keepdim
+    shape, detached; ones for an empty ``z`` (nothing to scale, and ``amax`` refuses it)."""
+    if z.numel() == 0:
+        return torch.ones_like(z.sum(dim=dims, keepdim=True))
+    return _pow2(z.detach().abs().amax(dim=dims, keepdim=True))
 
 
 def masked_mean(
@@ -100,23 +163,37 @@ def masked_mean(
         mean = sum(x * m) / sum(m)
 
     Args:
-        x: float tensor. mask: bool tensor of the same shape.
+        x: float tensor (an integer one is refused: its mean is not an integer; pass
+            ``x.float()``). mask: bool tensor of the same shape.
         dim: dimension(s) to reduce (``None``: all).
         empty_value: value for a slice with no selected entry. ``None`` (default) raises
             ``ValueError`` if any slice is empty.
 
+    Numerics: computed on the slice divided by a power of two near its largest magnitude
+    (exact), so it never overflows (``|mean| <= max |x|``): finite input gives the float64
+    mean rounded to the dtype (16-bit inputs: computed in float32, cast back).
+
     >>> masked_mean(torch.tensor([[1.0, 3.0], [2.0, 0.0]]), torch.tensor([[True, True], [True, False]]), dim=-1)
     tensor([2., 2.])
     """
-    total = masked_sum(x, mask, dim, keepdim)
-    count = _count(mask, dim, keepdim, total.dtype)
+    check_float("x", x)
+    check_mask("mask", mask, x, "x")
+    dims = check_dim("dim", dim, x.ndim)
+    w = _work(x)
+    z = torch.where(mask, w, torch.zeros((), dtype=w.dtype, device=w.device))
+    z, rdims, keep = _flat(z, dims, keepdim)
+    m = mask.reshape(z.shape)
+    p = _slice_scale(z, rdims)
+    count = m.sum(dim=rdims, keepdim=True).to(w.dtype)
+    mean = (z / p).sum(dim=rdims, keepdim=True) / count.clamp(min=1) * p
+    mean, count = _squeeze(mean, rdims, keep), _squeeze(count, rdims, keep)
     empty = count == 0
     if empty_value is None:
         if values_readable("mask", mask) and bool(empty.any()):
             where = "" if dim is None else f" ({int(empty.sum())} empty slice(s) along dim={dim})"
             raise ValueError(f"mask: selects no elements{where}; a mean over nothing is undefined")
-        return total / count.clamp(min=1)
-    return torch.where(empty, torch.full_like(total, empty_value), total / count.clamp(min=1))
+        return mean.to(x.dtype)
+    return torch.where(empty, torch.full_like(mean, empty_value), mean).to(x.dtype)
 
 
 def masked_var(
@@ -132,25 +209,52 @@ def masked_var(
         var = sum(m * (x - mean)^2) / (n - 1)    if unbiased (default, Bessel's correction)
         var = sum(m * (x - mean)^2) / n          otherwise
 
-    Two-pass (mean first), so it stays accurate when values are large and close together.
-    Raises ``ValueError`` if a slice has fewer than 2 (unbiased) or 1 (biased) selected entries.
+    Raises ``ValueError`` if a slice has fewer than 2 (unbiased) or 1 (biased) selected
+    entries; ``x`` must be a float tensor.
+
+    Numerics: two-pass, on the slice divided by a power of two near its largest magnitude
+    (exact) and shifted by its minimum (so values far from 0 with a small spread keep their
+    precision), then multiplied back: no intermediate overflow or underflow. Finite input
+    gives the float64 variance rounded to the dtype (to float32 accuracy; 16-bit inputs are
+    computed in float32 and cast back), ``inf`` only where that variance exceeds the dtype's
+    range (a spread of ``1e19`` has a float32 variance of ``~1e38``; ``1e20`` overflows). A
+    selected NaN or ``+-inf`` makes the slice's variance NaN.
 
     >>> masked_var(torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([True, True, True, False]))
     tensor(1.)
     """
-    mean = masked_mean(x, mask, dim, keepdim=True)
-    # mask the deviation *before* squaring: NaN/inf under the mask never reach the value or
-    # the gradient (``where``'s unused branch would backpropagate ``0 * inf = NaN``)
-    dev = torch.where(mask, x - mean, torch.zeros((), dtype=x.dtype, device=x.device))
-    ss = dev.square().sum() if dim is None else dev.square().sum(dim=dim, keepdim=keepdim)
-    n = _count(mask, dim, keepdim, ss.dtype)
+    check_float("x", x)
+    check_mask("mask", mask, x, "x")
+    dims = check_dim("dim", dim, x.ndim)
+    w = _work(x)
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    z = torch.where(mask, w, zero)
+    z, rdims, keep = _flat(z, dims, keepdim)
+    m = mask.reshape(z.shape)
+    n = m.sum(dim=rdims, keepdim=True).to(w.dtype)
     need = 2 if unbiased else 1
     if values_readable("mask", mask) and bool((n < need).any()):
         raise ValueError(
             f"mask: a {'n-1 (unbiased)' if unbiased else 'n (biased)'} variance needs at least "
             f"{need} selected elements per slice, got {int(n.min())}"
         )
-    return ss / (n - (1 if unbiased else 0)).clamp(min=1)
+    p = _slice_scale(z, rdims)
+    y = z / p  # |y| < 2
+    if y.numel():
+        lo = torch.where(m, y.detach(), torch.full_like(y, float("inf"))).amin(dim=rdims, keepdim=True)
+    else:
+        lo = torch.zeros_like(p)
+    # mask the deviation *before* squaring: NaN/inf under the mask never reach the value or
+    # the gradient (``where``'s unused branch would backpropagate ``0 * inf = NaN``)
+    d = torch.where(m, y - lo, zero)  # in [0, 4]
+    dev = torch.where(m, d - d.sum(dim=rdims, keepdim=True) / n.clamp(min=1), zero)
+    v = dev.square().sum(dim=rdims, keepdim=True) / (n - (1 if unbiased else 0)).clamp(min=1)
+    return _squeeze(v * p * p, rdims, keep).to(x.dtype)
+
+
+def _scalar_dtype(device: torch.device) -> torch.dtype:
+    """float64 for 0-dim statistics (cheap), float32 on MPS (which has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def masked_whiten(
@@ -174,14 +278,19 @@ def masked_whiten(
     are over all selected entries (no groups) and ``eps`` goes under the square root.
 
     Numerics: the statistics are computed once (one pass for the mean, one for the variance,
-    one host synchronisation for the value checks) on the values shifted by one selected entry
-    (in float32 for 16-bit inputs; the result has the dtype of ``x``). Entries outside the mask
-    are zeroed first, so NaN/inf there reach neither the result nor its gradient. A constant input (zero
-    variance) therefore gives exactly 0 (``shift_mean=False``: exactly its mean), also with
-    ``eps=0``, instead of ``rounding / sqrt(eps)`` noise, and float32 values far from 0 with a
-    small spread keep their precision (the mean's rounding error scales with the spread, not
-    with the magnitude: no float64 copy of a ``[B, T]`` tensor is needed). An empty mask raises ``ValueError`` (as
-    :func:`masked_mean`), so does a single selected entry with ``unbiased=True``.
+    one host synchronisation for the value checks) on the selected values divided by a power
+    of two near their largest magnitude (exact) and shifted by one selected entry (in float32
+    for 16-bit inputs; the result has the dtype of ``x``); the 0-dim factor ``1 / sqrt(var +
+    eps)`` is formed in float64 (float32 on MPS). So no intermediate overflows or underflows:
+    finite input of any magnitude (``1e38``, ``1e-30``) gives the float64 result rounded, to
+    float32 accuracy. Entries outside the mask are zeroed first, so NaN/inf there reach
+    neither the result nor its gradient; a selected NaN or ``+-inf`` makes the result NaN. A
+    constant input (zero variance) gives exactly 0 (``shift_mean=False``: exactly its mean),
+    also with ``eps=0``, instead of ``rounding / sqrt(eps)`` noise, and float32 values far
+    from 0 with a small spread keep their precision (the mean's rounding error scales with
+    the spread, not with the magnitude: no float64 copy of a ``[B, T]`` tensor is needed). An
+    empty mask raises ``ValueError`` (as :func:`masked_mean`), so does a single selected entry
+    with ``unbiased=True``.
 
     Args:
         x: float tensor, any shape (an integer tensor is rejected: its whitened values are not
@@ -212,22 +321,28 @@ def masked_whiten(
             )
     if work.numel() == 0:
         return x.clone()
-    work = torch.where(mask, work, zero)  # garbage under the mask never enters value or gradient
+    z = torch.where(mask, work, zero)  # garbage under the mask never enters value or gradient
+    p = _pow2(z.detach().abs().amax())  # a power of two: y = z / p is exact, |y| < 2
+    y = z / p
     # shift by one selected entry (a constant, so no gradient): a constant input becomes 0
     # exactly, and |d| <= spread keeps the mean's rounding error relative to the spread
     first = mask.reshape(-1).to(torch.uint8).argmax().reshape(1)
-    pivot = work.reshape(-1).index_select(0, first).reshape(()).detach()
-    d = torch.where(mask, work - pivot, zero)
+    pivot = y.reshape(-1).index_select(0, first).reshape(()).detach()
+    d = torch.where(mask, y - pivot, zero)
     n = count.to(work.dtype)
     mean = d.sum() / n.clamp(min=1)
     dev = torch.where(mask, d - mean, zero)
-    var = dev.square().sum() / (n - (1 if unbiased else 0)).clamp(min=1)
-    pos = var > 0
-    scale = torch.where(pos, torch.rsqrt(torch.where(pos, var + eps, torch.ones_like(var))), zero)
-    y = dev * scale
+    v = dev.square().sum() / (n - (1 if unbiased else 0)).clamp(min=1)  # var / p^2, <= 16
+    # 1 / sqrt(var + eps) in units of 1 / p: 1 / sqrt(v + eps / p^2), in float64 (a scalar)
+    sd = _scalar_dtype(work.device)
+    pos = v > 0
+    v64 = torch.where(pos, v, torch.ones_like(v)).to(sd)
+    inv = torch.rsqrt(v64 + eps / p.to(sd).square())
+    scale = torch.where(pos, inv.to(work.dtype), zero)
+    out = dev * scale
     if not shift_mean:
-        y = torch.where(mask, y + (mean + pivot), zero)
-    return y.to(x.dtype)
+        out = torch.where(mask, out + (mean + pivot) * p, zero)
+    return out.to(x.dtype)
 
 
 # --------------------------------------------------------------------------- segments
@@ -281,12 +396,15 @@ def _safe_sqrt(v: Tensor) -> Tensor:
     return torch.where(zero, torch.zeros_like(v), torch.where(zero, torch.ones_like(v), v).sqrt())
 
 
-def _check_segments(name: str, x: Tensor, index: Tensor, num_segments: int) -> int:
-    """Validate the arguments of a segment op: ``x`` a tensor with ``x.shape[0]`` rows,
-    ``index`` a 1-D integer tensor of that length on ``x``'s device, ``num_segments`` an int
-    ``>= 0`` and (a value check, one host synchronisation) every index in
-    ``[0, num_segments)``. Returns ``num_segments`` as an int."""
-    check_tensor(name, x)
+def _check_segments(name: str, x: Tensor, index: Tensor, num_segments: int, *, floating: bool = False) -> int:
+    """Validate the arguments of a segment op: ``x`` a float (``floating``) or float / integer
+    tensor with ``x.shape[0]`` rows, ``index`` a 1-D integer tensor of that length on ``x``'s
+    device, ``num_segments`` an int ``>= 0`` and (a value check, one host synchronisation)
+    every index in ``[0, num_segments)``. Returns ``num_segments`` as an int."""
+    if floating:
+        check_float(name, x)
+    else:
+        check_real_tensor(name, x)
     check_int_tensor("index", index)
     check_ndim("index", index, 1)
     g = check_int("num_segments", num_segments)
@@ -306,15 +424,26 @@ def _check_segments(name: str, x: Tensor, index: Tensor, num_segments: int) -> i
 def segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     """``out[g] = sum_{i: index[i] == g} x[i]`` along dimension 0. Shape ``[G, *x.shape[1:]]``.
 
-    16-bit inputs are accumulated in float32 and the result cast back. An empty segment sums
-    to 0. ``index`` must be a ``[B]`` integer tensor in ``[0, num_segments)`` on ``x``'s
-    device (``ValueError`` naming the argument otherwise).
+    ``x`` is a float or integer tensor; integers are summed exactly in int64 and the result
+    is int64, as ``torch.sum`` does (an int8 segment of ``100 + 100`` is ``200``, not ``-56``;
+    only an int64 overflow, beyond ``9.2e18``, wraps around). 16-bit float inputs are
+    accumulated in float32 and the result cast back. An empty segment sums to 0. ``index``
+    must be a ``[B]`` integer tensor in ``[0, num_segments)`` on ``x``'s device
+    (``ValueError`` naming the argument otherwise).
+
+    Numerics: a float segment is divided by a power of two near its largest magnitude before
+    it is summed (exact), so finite values whose partial sums would overflow still give the
+    float64 sum rounded (``inf`` only if the sum itself is out of range).
 
     >>> segment_sum(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([1, 0, 1]), 3)
     tensor([2., 5., 0.])
     """
     _check_segments("x", x, index, num_segments)
-    return _segment_sum(x, index, num_segments)
+    if not x.is_floating_point():
+        return _segment_sum(x.to(torch.int64), index, num_segments)
+    w = _work(x)
+    p = _segment_scale(w, index, num_segments)
+    return (_segment_sum(w / p.index_select(0, index), index, num_segments) * p).to(x.dtype)
 
 
 def _segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
@@ -323,30 +452,65 @@ def _segment_sum(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     return out.index_add(0, index, w).to(x.dtype)
 
 
-def _segment_extreme(x: Tensor, index: Tensor, num_segments: int, reduce: str, fill: float) -> Tensor:
+def _segment_scale(w: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    """``[G, ...]`` power of two near each segment's largest magnitude (detached; see
+    :func:`_pow2`), for overflow-free sums and squares."""
+    return _pow2(_segment_extreme(w.detach().abs(), index, num_segments, "amax"))
+
+
+def _segment_extreme(x: Tensor, index: Tensor, num_segments: int, reduce: str) -> Tensor:
+    """Per-segment ``amin`` / ``amax`` along dim 0; an empty segment holds the reduction's
+    identity (``+-inf``, or the integer dtype's largest / smallest value: no overflow)."""
+    if x.is_floating_point():
+        fill = float("inf") if reduce == "amin" else float("-inf")
+    else:
+        info = torch.iinfo(x.dtype)
+        fill = info.max if reduce == "amin" else info.min
     out = torch.full((num_segments, *x.shape[1:]), fill, dtype=x.dtype, device=x.device)
     idx = index.reshape(-1, *([1] * (x.ndim - 1))).expand_as(x)
     return out.scatter_reduce(0, idx, x, reduce=reduce, include_self=True)
 
 
+def _nan_segments(x: Tensor, out: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    """``out`` with NaN in every segment that holds a NaN of ``x`` (scatter's NaN handling is
+    device-dependent; this makes it the same everywhere)."""
+    if not x.is_floating_point():
+        return out
+    has_nan = _segment_sum(torch.isnan(x).to(torch.int32), index, num_segments) > 0
+    return torch.where(has_nan, torch.full_like(out, float("nan")), out)
+
+
 def segment_min(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    """Minimum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``+inf``."""
+    """Minimum of each segment along dim 0, ``[G, ...]``, in the dtype of ``x`` (float or
+    integer).
+
+    An empty segment gives the identity of ``min``: ``+inf`` for floats, the dtype's largest
+    value for integers (``torch.iinfo(x.dtype).max``; integer extremes never overflow); tell
+    it from a segment of ``+inf`` with :func:`segment_count`. Non-finite values: ``+-inf``
+    are ordered as usual (a segment holding ``-inf`` has minimum ``-inf``), and a NaN makes
+    its segment's minimum NaN (on every device).
+
+    >>> segment_min(torch.tensor([3, -7, 5]), torch.tensor([0, 0, 2]), 3).tolist()
+    [-7, 9223372036854775807, 5]
+    """
     _check_segments("x", x, index, num_segments)
-    return _segment_min(x, index, num_segments)
+    return _nan_segments(x, _segment_min(x, index, num_segments), index, num_segments)
 
 
 def _segment_min(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    return _segment_extreme(x, index, num_segments, "amin", float("inf"))
+    return _segment_extreme(x, index, num_segments, "amin")
 
 
 def segment_max(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    """Maximum of each segment along dim 0, ``[G, ...]``; an empty segment gives ``-inf``."""
+    """Maximum of each segment along dim 0, ``[G, ...]``, in the dtype of ``x`` (float or
+    integer). An empty segment gives ``-inf`` for floats, the dtype's smallest value for
+    integers (``torch.iinfo(x.dtype).min``); non-finite values as :func:`segment_min`."""
     _check_segments("x", x, index, num_segments)
-    return _segment_max(x, index, num_segments)
+    return _nan_segments(x, _segment_max(x, index, num_segments), index, num_segments)
 
 
 def _segment_max(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    return _segment_extreme(x, index, num_segments, "amax", float("-inf"))
+    return _segment_extreme(x, index, num_segments, "amax")
 
 
 def segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -363,52 +527,82 @@ def _segment_count(index: Tensor, num_segments: int, dtype: torch.dtype = torch.
 
 
 def segment_mean(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
-    """Mean of each segment, ``[G, ...]``; an empty segment gives 0 (16-bit: computed in float32)."""
-    _check_segments("x", x, index, num_segments)
+    """Mean of each segment, ``[G, ...]``; an empty segment gives 0. ``x`` must be a float
+    tensor (an integer mean is not an integer: ``InvalidTypeError`` naming ``x``).
+
+    Numerics: each segment is divided by a power of two near its largest magnitude (exact)
+    before it is summed: no overflow, the float64 mean rounded to the dtype for finite input
+    (16-bit: computed in float32, cast back).
+
+    >>> segment_mean(torch.tensor([3e38, 3e38, 1.0]), torch.tensor([0, 0, 1]), 2)
+    tensor([3.0000e+38, 1.0000e+00])
+    """
+    _check_segments("x", x, index, num_segments, floating=True)
     return _segment_mean(x, index, num_segments)
 
 
 def _segment_mean(x: Tensor, index: Tensor, num_segments: int) -> Tensor:
     w = _work(x)
-    count = _segment_count(index, num_segments, w.dtype)
-    count = count.reshape(-1, *([1] * (x.ndim - 1)))
-    return (_segment_sum(w, index, num_segments) / count.clamp(min=1)).to(x.dtype)
+    p = _segment_scale(w, index, num_segments)
+    return (_plain_segment_mean(w / p.index_select(0, index), index, num_segments) * p).to(x.dtype)
+
+
+def _plain_segment_mean(w: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    """Segment mean without the scaling, for values known to be in a small range."""
+    count = _segment_count(index, num_segments, w.dtype).reshape(-1, *([1] * (w.ndim - 1)))
+    return _segment_sum(w, index, num_segments) / count.clamp(min=1)
 
 
 def segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
-    """Variance of each segment along dim 0 (two-pass), ``[G, ...]``.
+    """Variance of each segment along dim 0 (two-pass), ``[G, ...]``; ``x`` a float tensor.
 
     ``unbiased=True`` divides by ``n - 1``; a segment with ``n <= 1`` then has variance 0 (a
     singleton has no spread to estimate), which is the convention the estimators document.
     NaN / inf in a segment make its variance NaN (never a silent 0).
+
+    Numerics: computed on each segment divided by a power of two near its largest magnitude
+    (exact) and shifted by its minimum, then multiplied back: no intermediate overflow, the
+    float64 variance rounded to the dtype for finite input (``inf`` only where that variance
+    is beyond the dtype's range; a spread of ``1e19`` gives ``~1e38`` in float32).
     """
-    _check_segments("x", x, index, num_segments)
+    _check_segments("x", x, index, num_segments, floating=True)
     return _segment_var(x, index, num_segments, unbiased=unbiased)
 
 
-def _segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
-    w = _work(x)
-    mean = _segment_mean(w, index, num_segments)
-    dev2 = (w - mean.index_select(0, index)).square()
-    count = _segment_count(index, num_segments, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+def _segment_moments(w: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> tuple[Tensor, Tensor]:
+    """``(v, p)`` with ``var = v * p * p``: the variance of each segment of ``w / p`` (``p`` a
+    power of two near the segment's largest magnitude, so ``|w / p| < 2``), computed on the
+    values shifted by the segment's minimum (``d`` in ``[0, 4]``, exactly 0 in a constant
+    segment)."""
+    p = _segment_scale(w, index, num_segments)
+    y = w / p.index_select(0, index)
+    d = y - _segment_min(y.detach(), index, num_segments).index_select(0, index)
+    count = _segment_count(index, num_segments, w.dtype).reshape(-1, *([1] * (w.ndim - 1)))
+    dev = d - (_segment_sum(d, index, num_segments) / count.clamp(min=1)).index_select(0, index)
     denom = (count - 1) if unbiased else count
-    return (_segment_sum(dev2, index, num_segments) / denom.clamp(min=1)).to(x.dtype)
+    return _segment_sum(dev.square(), index, num_segments) / denom.clamp(min=1), p
+
+
+def _segment_var(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
+    v, p = _segment_moments(_work(x), index, num_segments, unbiased=unbiased)
+    return (v * p * p).to(x.dtype)
 
 
 def segment_std(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
     """Standard deviation of each segment: ``sqrt(segment_var)`` (gradient 0, not NaN, where
-    the variance is 0; NaN where the variance is NaN).
+    the variance is 0; NaN where the variance is NaN). Taken as ``p * sqrt(v)`` (see
+    :func:`segment_var`), so a std of ``3e38`` is finite even though its variance is not.
 
     >>> segment_std(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 1]), 2, unbiased=True)
     tensor([1.4142, 0.0000])
     """
-    _check_segments("x", x, index, num_segments)
+    _check_segments("x", x, index, num_segments, floating=True)
     return _segment_std(x, index, num_segments, unbiased=unbiased)
 
 
 def _segment_std(x: Tensor, index: Tensor, num_segments: int, *, unbiased: bool) -> Tensor:
-    w = _work(x)
-    return _safe_sqrt(_segment_var(w, index, num_segments, unbiased=unbiased)).to(x.dtype)
+    v, p = _segment_moments(_work(x), index, num_segments, unbiased=unbiased)
+    return (_safe_sqrt(v) * p).to(x.dtype)
 
 
 def group_normalize(
@@ -483,10 +677,15 @@ def _group_normalize(
 ) -> Tensor:
     """:func:`group_normalize` without the argument checks (``index`` built by the caller)."""
     w = _work(x)
+    # divide each group by a power of two near its largest magnitude (exact, detached): the
+    # difference below cannot overflow (3e38 - (-3e38)), and nothing else changes
+    p = _segment_scale(w, index, num_groups)
+    pb = p.index_select(0, index)
+    w = w / pb
     d = w - _segment_min(w, index, num_groups).index_select(0, index)  # >= 0, 0 in constant groups
-    centred = d - _segment_mean(d, index, num_groups).index_select(0, index)
+    centred = d - _plain_segment_mean(d, index, num_groups).index_select(0, index)
     if not scale:
-        return centred.to(x.dtype)
+        return (centred * pb).to(x.dtype)
     # scale by the largest deviation before squaring: q in [-1, 1], sum q^2 in [1, n]
     m = _segment_max(centred.detach().abs(), index, num_groups)
     pos = m > 0  # False for constant groups and singletons (centred is exactly 0 there)
@@ -495,22 +694,29 @@ def _group_normalize(
     count = _segment_count(index, num_groups, w.dtype).reshape(-1, *([1] * (x.ndim - 1)))
     denom = (count - 1) if unbiased else count
     std_q = _safe_sqrt(_segment_sum(q.square(), index, num_groups) / denom.clamp(min=1))
-    den = (std_q + eps / m).index_select(0, index)
+    den = (std_q + eps / (m * p)).index_select(0, index)
     pos = pos.index_select(0, index)
-    y = torch.where(pos, q / torch.where(pos, den, torch.ones_like(den)), centred)
+    y = torch.where(pos, q / torch.where(pos, den, torch.ones_like(den)), centred * pb)
     return y.to(x.dtype)
 
 
 def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:
     """Spread a ``[B]`` per-sequence value over the ``[B, T]`` tokens of ``mask`` (0 elsewhere).
 
-    A ``[B, T]`` input is returned with masked-out entries zeroed.
+    A ``[B, T]`` input is returned with masked-out entries zeroed. ``values`` must be a
+    tensor and ``mask`` a ``[B, T]`` bool tensor on its device: a list, ``None`` or a non-bool
+    mask is an ``InvalidTypeError`` (a ``ValueError`` and a ``TypeError``) naming the
+    argument, a mask of another shape a ``ValueError`` naming ``mask`` and ``[B, T]``.
 
     >>> broadcast_to_tokens(torch.tensor([2.0, -1.0]), torch.tensor([[True, False], [True, True]]))
     tensor([[ 2.,  0.],
             [-1., -1.]])
     """
+    check_tensor("values", values)
     check_mask("mask", mask)
+    if mask.ndim != 2:
+        raise ValueError(f"mask: expected shape [B, T], got {list(mask.shape)}")
+    check_same_device("values", values, "mask", mask)
     if values.ndim == 1:
         if values.shape[0] != mask.shape[0]:
             raise ValueError(f"values: has {values.shape[0]} entries but mask has {mask.shape[0]} rows")

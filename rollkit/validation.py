@@ -1,9 +1,12 @@
 """Input validation that fails early with a message naming the argument and the problem.
 
 Every check raises :class:`ValueError` (never ``AssertionError``) and never modifies its input.
-Shape, dtype and device checks are free (metadata only); the type of a scalar hyper-parameter
-is checked before its value, so ``eps="x"`` names ``eps`` instead of failing inside a
-comparison. Value checks (NaN/inf, empty masks, index ranges) read the data, which costs a
+A value of the wrong *type* (not a tensor, a tensor of the wrong dtype, a string or a tensor
+where a number is expected, a float where a ``dim`` is expected) raises
+:class:`InvalidTypeError`, which is both a ``ValueError`` and a ``TypeError``: ``except
+ValueError`` and ``except TypeError`` both catch it. Shape, dtype and device checks are free
+(metadata only); the type of a scalar hyper-parameter is checked before its value, so
+``eps="x"`` names ``eps`` instead of failing inside a comparison. Value checks (NaN/inf, empty masks, index ranges) read the data, which costs a
 device synchronisation on a GPU; they can be switched off in a hot loop with
 :func:`value_checks`::
 
@@ -30,6 +33,16 @@ import torch
 from torch import Tensor
 
 from rollkit.keys import SPECS
+
+
+class InvalidTypeError(ValueError, TypeError):
+    """An argument of the wrong type or dtype, named in the message
+    (``x: expected a floating-point tensor, got dtype torch.int64``).
+
+    A ``ValueError`` (what every rollkit check has always raised) and a ``TypeError`` (what
+    Python raises for a wrong type), so either ``except`` clause catches it.
+    """
+
 
 # A context variable, not a module global: ``value_checks(False)`` in one thread or asyncio
 # task leaves the checks of the others on.
@@ -76,7 +89,7 @@ def _shape(x: Tensor) -> tuple[int, ...]:
 def check_tensor(name: str, x: object) -> Tensor:
     """Raise unless ``x`` is a tensor."""
     if not isinstance(x, Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     return x
 
 
@@ -117,7 +130,7 @@ def check_float(name: str, x: Tensor) -> None:
     """Raise unless ``x`` has a floating-point dtype."""
     check_tensor(name, x)
     if not x.is_floating_point():
-        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+        raise InvalidTypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
 def check_mask(name: str, mask: Tensor, like: Tensor | None = None, like_name: str = "") -> None:
@@ -128,7 +141,9 @@ def check_mask(name: str, mask: Tensor, like: Tensor | None = None, like_name: s
     """
     check_tensor(name, mask)
     if mask.dtype != torch.bool:
-        raise ValueError(f"{name}: expected a torch.bool mask, got dtype {mask.dtype} (convert with .bool())")
+        raise InvalidTypeError(
+            f"{name}: expected a torch.bool mask, got dtype {mask.dtype} (convert with .bool())"
+        )
     if like is not None:
         check_same_shape(name, mask, like_name or "input", like)
 
@@ -182,7 +197,7 @@ def check_group_ids(name: str, group_ids: Tensor, batch_size: int | None = None)
     """Raise unless ``group_ids`` is a 1-D integer tensor (of length ``batch_size``)."""
     check_tensor(name, group_ids)
     if group_ids.dtype.is_floating_point or group_ids.is_complex() or group_ids.dtype == torch.bool:
-        raise ValueError(f"{name}: expected an integer tensor, got dtype {group_ids.dtype}")
+        raise InvalidTypeError(f"{name}: expected an integer tensor, got dtype {group_ids.dtype}")
     if group_ids.ndim != 1:
         raise ValueError(f"{name}: expected shape [B], got {list(group_ids.shape)}")
     if batch_size is not None and group_ids.shape[0] != batch_size:
@@ -194,7 +209,7 @@ def check_real(name: str, value: object) -> float:
     float, numpy scalar; not bool, not a tensor, not a string). NaN and inf pass: the value
     checks that follow decide about them. The type check that every scalar check does first."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name}: expected a number, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name}: expected a number, got {type(value).__name__}")
     return float(value)
 
 
@@ -230,7 +245,7 @@ def check_scalar(name: str, value: object) -> float:
     ``+/-inf`` is allowed (one-sided bounds); ``bool`` and tensors are rejected.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a number, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name}: expected a number, got {type(value).__name__}")
     if value != value:
         raise ValueError(f"{name}: must not be NaN")
     return float(value)
@@ -240,25 +255,72 @@ def check_int(name: str, value: object) -> int:
     """Return ``value`` as an ``int``; raise unless it is an integer (numpy ints too; not bool,
     not a tensor, not a float such as ``3.0``)."""
     if isinstance(value, (bool, Tensor)):
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
+        raise InvalidTypeError(f"{name}: expected an int, got {type(value).__name__}")
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(f"{name}: expected an int, got {type(value).__name__}") from None
+        raise InvalidTypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def check_dim(name: str, dim: object, ndim: int, *, tensor_name: str = "x") -> tuple[int, ...] | None:
+    """Return a reduction ``dim`` argument as a sorted tuple of non-negative dimensions
+    (``None`` stays ``None``: reduce everything); raise naming ``name`` unless it is ``None``,
+    an int or a non-empty tuple / list of distinct ints, each in ``[-ndim, ndim)`` for the
+    ``ndim``-dimensional tensor ``tensor_name`` (``[-1, 0]`` for a 0-dim one, as torch).
+
+    A wrong type (``1.0``, ``"0"``, ``True``, a tensor) is an :class:`InvalidTypeError`; an
+    out-of-range dim, a repeated one (``(0, -2)`` on a 2-D tensor) or an empty tuple (torch
+    reads ``()`` as "every dimension", numpy as "none"; pass ``None``) a ``ValueError``.
+    """
+    if dim is None:
+        return None
+    items = list(dim) if isinstance(dim, (tuple, list)) else [dim]
+    if isinstance(dim, (tuple, list)) and not items:
+        raise ValueError(f"{name}: an empty tuple is ambiguous; pass None to reduce every dimension")
+    n = max(int(ndim), 1)
+    out: list[int] = []
+    for d in items:
+        if isinstance(d, (bool, Tensor)):
+            raise InvalidTypeError(f"{name}: expected an int or a tuple of ints, got {type(d).__name__}")
+        try:
+            d = operator.index(d)
+        except TypeError:
+            raise InvalidTypeError(
+                f"{name}: expected an int or a tuple of ints, got {type(d).__name__}"
+            ) from None
+        if not -n <= d < n:
+            raise ValueError(
+                f"{name}: {d} is out of range for {tensor_name} with {ndim} dimension(s) "
+                f"(expected an int in [{-n}, {n - 1}])"
+            )
+        d %= n
+        if d in out:
+            raise ValueError(f"{name}: dimension {d} appears more than once in {dim!r}")
+        out.append(d)
+    return tuple(sorted(out))
+
+
+def check_real_tensor(name: str, x: object) -> Tensor:
+    """Raise unless ``x`` is a tensor of a real numeric dtype: floating-point or integer (not
+    bool, not complex). Returns ``x``."""
+    x = check_tensor(name, x)
+    if x.is_complex() or x.dtype == torch.bool:
+        raise InvalidTypeError(f"{name}: expected a float or integer tensor, got dtype {x.dtype}")
+    return x
 
 
 def check_int_tensor(name: str, x: object) -> None:
     """Raise unless ``x`` is a tensor of an integer dtype (not bool, float or complex)."""
     x = check_tensor(name, x)
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise ValueError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+        raise InvalidTypeError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
 
 
 def check_discount(name: str, value: object) -> float:
     """Return a discount factor (``gamma``, ``lambda``) as a ``float``; raise unless it is a real
     number (int or float, not bool) in ``[0, 1]`` (NaN fails)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}: expected a float in [0, 1], got {type(value).__name__}")
+        raise InvalidTypeError(f"{name}: expected a float in [0, 1], got {type(value).__name__}")
     check_in_range(name, float(value), 0.0, 1.0)
     return float(value)
 
@@ -306,4 +368,4 @@ def check_batch(batch: object, keys: Sequence[str]) -> None:
         elif spec.dtype == "float":
             check_float(key, x)
         elif x.is_floating_point() or x.dtype == torch.bool:
-            raise ValueError(f"{key}: expected an integer tensor, got dtype {x.dtype}")
+            raise InvalidTypeError(f"{key}: expected an integer tensor, got dtype {x.dtype}")

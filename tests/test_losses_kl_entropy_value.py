@@ -629,3 +629,138 @@ def test_kl_controllers_name_bad_scalars():
         AdaptiveKLController(0.1, target="x", horizon=1.0)
     ctl.load_state_dict({"value": torch.tensor(0.5)})  # a 0-dim tensor from a checkpoint is fine
     assert ctl.value == 0.5
+
+
+# =========================================================================== huge magnitudes (issue 31)
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+EPS = float(torch.finfo(torch.float32).eps)
+_HUGE = {"min_value": -_F32_MAX, "max_value": _F32_MAX, "huge": True}
+_ESTIMATORS = ("k1", "k2", "k3", "k1+", "k3+")
+
+
+@settings(max_examples=80)
+@given(data=st.data(), estimator=st.sampled_from(_ESTIMATORS), coef=st.sampled_from([0.0, 1e-3, 0.5, 1.0]))
+def test_kl_of_huge_finite_log_probs_matches_float64(data, estimator, coef):
+    """k2 formed ``0.5 * d^2`` (inf for ``|d| > 1.8e19``, though ``0.5 d^2`` is finite up to
+    ``2.6e19``), k3 / k3+ / k1+ gave NaN where ``logprobs - ref_logprobs`` overflowed, the loss
+    terms ``coef * inf`` (NaN for ``coef = 0``): now every output is the float64 one rounded."""
+    from rollkit.testing import check_float64_agreement, masks
+
+    B, T = data.draw(shapes(max_batch=3, max_len=5))
+    m = data.draw(masks(B, T))
+    lp = data.draw(float_tensors((B, T), mask=m, garbage_padding=True, **_HUGE))
+    ref = data.draw(float_tensors((B, T), mask=m, garbage_padding=True, **_HUGE))
+    rewards = data.draw(float_tensors((B,), **_HUGE))
+    z = torch.where(m, lp, 0.0), torch.where(m, ref, 0.0)
+    # a per-token estimate beyond float32 is inf (checked); the metrics that average it with
+    # others are then not comparable with float64's (inf - inf is NaN in any float32 mean)
+    k64 = kl_estimate(z[0].double(), z[1].double(), estimator=estimator)
+    # the metrics are means of estimates of both signs (k1): accurate to eps * their magnitude
+    scale = float(k64.abs().max()) if k64.numel() else 0.0
+    # k3 = expm1(x) - x cancels for small log-ratios: accurate to eps * |x| (|x| <= 20), not
+    # relative to k3 ~ x^2 / 2
+    k3_atol = (
+        8 * EPS * (z[0].double() - z[1].double()).abs().clamp(max=20.0) if estimator.startswith("k3") else 0.0
+    )
+    tol = {
+        "rtol": 16 * T * EPS,
+        "atol": k3_atol,
+        "metric_atol": 4 * B * T * EPS * scale + float(torch.as_tensor(k3_atol).max()),
+        "metrics": not bool((k64.abs() > _F32_MAX).any()),
+    }
+    check_float64_agreement(lambda a, b: kl_estimate(a, b, estimator=estimator), list(z), **tol)
+    check_float64_agreement(
+        lambda a, b, k: kl_loss(a, b, k, estimator=estimator, coef=coef), [lp, ref, m], **tol
+    )
+    check_float64_agreement(
+        lambda a, b, k: kl_penalty(a, b, k, estimator=estimator, coef=coef), [lp, ref, m], **tol
+    )
+    penalised = lambda r, a, b, k: apply_kl_penalty(r, a, b, k, estimator=estimator, coef=coef)  # noqa: E731
+    if tol["metrics"]:  # else a penalty beyond float32 is inf, though the reward may bring
+        check_float64_agreement(  # R - coef * k back into range in float64
+            penalised,
+            [rewards, lp, ref, m],
+            rtol=16 * T * EPS,
+            metric_atol=tol["metric_atol"],
+            atol=4
+            * T
+            * EPS
+            * float(rewards.double().abs().max() + (z[0].double() - z[1].double()).abs().max() ** 2),
+        )
+    assert not torch.isnan(penalised(rewards, lp, ref, m)[0]).any()
+    # gradients: never NaN; coef * (logprobs - ref_logprobs) for k2 / k1+ / k3+ (where that is
+    # beyond float32: inf for k2, float32's largest value for the straight-through estimators)
+    x = lp.clone().requires_grad_()
+    kl_loss(x, ref, m, estimator=estimator, coef=coef).loss.sum().backward()
+    assert not torch.isnan(x.grad).any()
+    if estimator in ("k2", "k1+", "k3+"):
+        d = coef * torch.where(m, lp.double() - ref.double(), 0.0)
+        inside = d.abs() <= _F32_MAX * (1 - 1e-6)
+        tiny = torch.finfo(torch.float32).tiny  # results below it are subnormal, rounded coarser
+        assert torch.allclose(x.grad[inside], d[inside].float(), rtol=1e-6, atol=2 * tiny), (x.grad, d)
+        g = x.grad[~inside].double()
+        assert ((g.abs() >= _F32_MAX * (1 - 1e-6)) & (torch.sign(g) == torch.sign(d[~inside]))).all()
+
+
+def test_kl_issue_examples():
+    lp, ref = torch.tensor([-2e19, -3e38, 3e38]), torch.tensor([0.0, 3e38, -3e38])
+    assert kl_k2(lp, ref)[0].item() == pytest.approx(2e38, rel=1e-6)  # was inf
+    assert torch.isinf(kl_k2(lp, ref)[1:]).all()  # 0.5 * (6e38)^2 is beyond float32
+    assert kl_k3(lp, ref).tolist() == pytest.approx([10.0, 10.0, 10.0])  # was NaN: clamped like 21
+    assert torch.equal(kl_k1_plus(lp, ref), lp - ref)  # [-2e19, -inf, inf]: was NaN
+    one = torch.ones(1, 1, dtype=torch.bool)
+    out = kl_loss(torch.tensor([[-1e20]]), torch.tensor([[0.0]]), one, estimator="k2", coef=0.0)
+    assert out.loss.item() == 0.0  # was 0 * inf = NaN
+    out = kl_loss(torch.tensor([[-1e20]]), torch.tensor([[0.0]]), one, estimator="k2", coef=1e-3)
+    assert out.loss.item() == pytest.approx(5e36, rel=1e-6)  # was inf
+
+
+@settings(max_examples=80)
+@given(
+    data=st.data(),
+    clip=st.sampled_from([None, 0.2, 2.0**100]),  # float32-exact: float64 clips at the same bound
+    coef=st.sampled_from([0.0, 0.01, 0.5, 1.0]),
+)
+def test_value_loss_of_huge_finite_values_matches_float64(data, clip, coef):
+    """``(V - R)^2`` overflowed before ``coef`` (0.5 * 4e38 = 2e38 gave inf, 0 * inf NaN) and
+    ``values_mean`` summed ``3e38 + 3e38 - 3e38 - 3e38`` to NaN."""
+    from rollkit.testing import check_float64_agreement, masks
+
+    B, T = data.draw(shapes(max_batch=3, max_len=5))
+    m = data.draw(masks(B, T))
+    v, old, ret = (data.draw(float_tensors((B, T), mask=m, garbage_padding=True, **_HUGE)) for _ in range(3))
+    run = lambda a, b, c, k: value_loss(a, b, c, k, clip_range=clip, coef=coef)  # noqa: E731
+    # V_clip = old + (V - old) cancels when |old| >> |V|: accurate to eps * (|V| + |old|), in
+    # float64 too; the loss coef * (V_clip - R)^2 to about coef * 32 eps S^2 with S = |V| + |old| + |R|
+    S = torch.where(m, v.double().abs() + old.double().abs() + ret.double().abs(), 0.0)
+    mags = torch.where(m, v.double().abs(), 0.0)
+    tol = {
+        "rtol": 16 * T * EPS,
+        "atol": 0.0 if clip is None else coef * 32 * EPS * S * S,
+        "metric_atol": 4 * B * T * EPS * float(mags.max()) if mags.numel() else 0.0,
+    }
+    check_float64_agreement(run, [v, old, ret, m], skip=("metrics['vf_clipfrac']",), **tol)
+    # the clip fraction counts strict comparisons: float32 may round a near-tie to a tie
+    got, want = run(v, old, ret, m), run(v.double(), old.double(), ret.double(), m)
+    ties = 0
+    if clip is not None:
+        v64, o64, r64 = v.double(), old.double(), ret.double()
+        du, dc = (v64 - r64).abs(), (o64 + (v64 - o64).clamp(-clip, clip) - r64).abs()
+        slack = 1e-6 * torch.maximum(du, dc) + 8 * EPS * (v64.abs() + o64.abs())  # V_clip's rounding
+        ties = int((m & ((dc - du).abs() <= slack)).sum())
+    diff = abs(float(got.metrics["vf_clipfrac"]) - float(want.metrics["vf_clipfrac"]))
+    assert diff <= ties / max(int(m.sum()), 1) + 1e-6
+    x = v.clone().requires_grad_()
+    value_loss(x, old, ret, m, clip_range=clip, coef=coef).loss.sum().backward()
+    assert not torch.isnan(x.grad).any()
+
+
+def test_value_loss_issue_examples():
+    v, m = torch.tensor([[1e19, -1e19]]), torch.ones(1, 2, dtype=torch.bool)
+    out = value_loss(v, -v, -v, m)  # error 2e19: 0.5 * 4e38
+    assert out.loss.flatten().tolist() == pytest.approx([2e38, 2e38], rel=1e-6)
+    assert value_loss(v, -v, -v, m, coef=0.0).loss.tolist() == [[0.0, 0.0]]
+    big = torch.tensor([[3e38, 3e38, -3e38, -3e38]])
+    out = value_loss(big, big, big, torch.ones(1, 4, dtype=torch.bool))
+    assert out.metrics["values_mean"].item() == 0.0  # was NaN

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollkit.keys import SPECS
-from rollkit.testing import batches, float_tensors, group_ids, masks
+from rollkit.testing import batches, float_tensors, group_ids, masks, shapes
 from rollkit.validation import check_batch
 
 
@@ -189,3 +189,98 @@ def test_nonfinite_reaches_nan_and_both_infinities_and_unknown_keys_raise():
 @given(batches(device="meta"))
 def test_device_moves_every_tensor(b):
     assert all(v.is_meta for v in b.values())
+
+
+# --------------------------------------------------------------------------- invalid input (issue 31)
+
+
+def test_int_tensors_reach_every_integer_dtype_and_its_extremes():
+    from rollkit.testing import INTEGER_DTYPES, int_tensors
+
+    seen = set()
+
+    @settings(max_examples=300, derandomize=True)
+    @given(st.data())
+    def probe(data):
+        x = data.draw(int_tensors((4,), dtype=None, extremes=True))
+        assert not x.is_floating_point() and x.dtype != torch.bool
+        info = torch.iinfo(x.dtype)
+        seen.add(x.dtype)
+        if (x == info.max).any():
+            seen.add("max")
+        if (x == info.min).any():
+            seen.add("min")
+
+    probe()
+    assert seen == {*INTEGER_DTYPES, "max", "min"}, seen
+
+
+def test_huge_reaches_the_float32_overflow_band():
+    """``huge=True`` draws between 1.8e19 (float32 squares overflow) and float32's largest."""
+    seen = set()
+    f32_max = float(torch.finfo(torch.float32).max)
+
+    @settings(max_examples=200, derandomize=True)
+    @given(float_tensors((6,), min_value=-f32_max, max_value=f32_max, huge=True))
+    def probe(x):
+        assert torch.isfinite(x).all()
+        a = x.abs()
+        if ((a > 1.8e19) & (a < 2.6e19)).any():
+            seen.add("k2 window")  # d^2 overflows, 0.5 d^2 does not
+        if (a == f32_max).any():
+            seen.add("max")
+        if ((a > 1e30) & (a < 1e37)).any():
+            seen.add("between")
+
+    probe()
+    assert seen == {"k2 window", "max", "between"}, seen
+
+
+@given(st.data())
+def test_dims_are_valid_and_invalid_dims_are_not(data):
+    import pytest
+
+    from rollkit.testing import dims, invalid_dims
+    from rollkit.validation import check_dim
+
+    ndim = data.draw(st.integers(1, 4))
+    dim = data.draw(dims(ndim))
+    norm = check_dim("dim", dim, ndim)
+    x = torch.zeros((2,) * ndim)
+    want = x.sum() if dim is None else x.sum(dim=dim)
+    assert want.ndim == (0 if norm is None else ndim - len(norm))
+    with pytest.raises((ValueError, TypeError), match=r"^dim: "):
+        check_dim("dim", data.draw(invalid_dims(ndim)), ndim)
+
+
+@given(st.data())
+def test_invalid_masks_are_invalid(data):
+    import pytest
+
+    from rollkit.testing import invalid_masks
+    from rollkit.validation import check_mask
+
+    B, T = data.draw(shapes(max_batch=4, max_len=4))
+    with pytest.raises((ValueError, TypeError), match=r"^mask: "):
+        check_mask("mask", data.draw(invalid_masks((B, T))), torch.zeros(B, T), "x")
+
+
+def test_invalid_masks_reach_every_kind():
+    from rollkit.testing import invalid_masks
+
+    seen = set()
+
+    @settings(max_examples=200, derandomize=True)
+    @given(invalid_masks((3, 4)))
+    def probe(m):
+        if not isinstance(m, torch.Tensor):
+            seen.add("non-tensor" if m is not None else "None")
+        elif m.dtype != torch.bool:
+            seen.add("dtype")
+        elif m.ndim != 2:
+            seen.add("more dims" if m.ndim > 2 else "fewer dims")
+        else:
+            seen.add("size")
+
+    probe()
+    assert seen == {"non-tensor", "None", "dtype", "more dims", "fewer dims", "size"}, seen

@@ -260,3 +260,64 @@ def test_value_checks_refuse_meta_by_name_and_are_skipped_when_off():
         check_nonempty("response_mask", torch.ones(3, dtype=torch.bool, device="meta"))
         assert not values_readable("rewards", x)
     assert values_readable("rewards", torch.zeros(3))
+
+
+# --------------------------------------------------------------------------- issue 31
+
+
+def test_type_errors_are_both_value_and_type_errors():
+    from rollkit.validation import InvalidTypeError, check_float, check_int, check_real, check_tensor
+
+    cases = [
+        (check_tensor, ("mask", [True]), r"^mask: expected a torch\.Tensor, got list$"),
+        (
+            check_float,
+            ("x", torch.tensor([1])),
+            r"^x: expected a floating-point tensor, got dtype torch\.int64$",
+        ),
+        (check_mask, ("mask", torch.ones(2)), r"^mask: expected a torch\.bool mask"),
+        (check_real, ("coef", "x"), r"^coef: expected a number, got str$"),
+        (check_int, ("n", 1.0), r"^n: expected an int, got float$"),
+    ]
+    for fn, args, msg in cases:
+        for exc in (ValueError, TypeError, InvalidTypeError):
+            with pytest.raises(exc, match=msg):
+                fn(*args)
+
+
+def test_check_dim_normalises_and_names_the_problem():
+    from rollkit.validation import InvalidTypeError, check_dim
+
+    assert check_dim("dim", None, 3) is None
+    assert check_dim("dim", -1, 3) == (2,)
+    assert check_dim("dim", (2, -3), 3) == (0, 2)
+    assert check_dim("dim", [1], 2) == (1,)
+    assert check_dim("dim", 0, 0) == (0,) and check_dim("dim", -1, 0) == (0,)  # torch: 0-dim
+    with pytest.raises(
+        ValueError,
+        match=r"^dim: 3 is out of range for x with 3 dimension\(s\) \(expected an int in \[-3, 2\]\)$",
+    ):
+        check_dim("dim", 3, 3)
+    with pytest.raises(ValueError, match=r"^dim: -4 is out of range for logprobs with 3"):
+        check_dim("dim", (0, -4), 3, tensor_name="logprobs")
+    with pytest.raises(ValueError, match=r"^dim: dimension 0 appears more than once in \(0, -3\)$"):
+        check_dim("dim", (0, -3), 3)
+    with pytest.raises(ValueError, match=r"^dim: an empty tuple is ambiguous"):
+        check_dim("dim", (), 3)
+    for bad in (1.0, "0", True, torch.tensor(0), (0, 1.5)):
+        with pytest.raises(InvalidTypeError, match=r"^dim: expected an int or a tuple of ints, got "):
+            check_dim("dim", bad, 3)
+
+
+def test_check_real_tensor():
+    from rollkit.validation import check_real_tensor
+
+    for ok in (torch.ones(2), torch.ones(2, dtype=torch.int8), torch.ones(2, dtype=torch.float16)):
+        assert check_real_tensor("x", ok) is ok
+    for bad, msg in (
+        (torch.ones(2, dtype=torch.bool), "torch.bool"),
+        (torch.ones(2, dtype=torch.complex64), "torch.complex64"),
+        ([1.0], "got list"),
+    ):
+        with pytest.raises(TypeError, match=rf"^x: expected a .*{msg}"):
+            check_real_tensor("x", bad)

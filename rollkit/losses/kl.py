@@ -15,19 +15,31 @@ gradient is the gradient of KL(pi_theta || pi_ref) (the gradient of k1 has zero 
 is the gradient of the reverse KL(pi_ref || pi_theta) to first order). The straight-through
 variants ``"k1+"`` / ``"k3+"`` (verl's ``kl_penalty="k3+"``, ``"low_var_kl+"``) return the
 value of k1 / k3 with the gradient of k2: ``k2 - sg(k2) + sg(k)``, computed as
-``sg(d) * (d - sg(d)) + sg(k)`` with ``d = logprobs - ref_logprobs`` (the same value and first
-derivative, without forming ``k2 = d^2 / 2``, whose overflow made ``inf - inf = NaN``).
+``sg(d) * z + sg(k)`` with ``d = logprobs - ref_logprobs`` and ``z = (logprobs -
+sg(logprobs)) - (ref_logprobs - sg(ref_logprobs))``, a zero with the derivative of ``d`` (the
+same value and first derivative, without forming ``k2 = d^2 / 2``, whose overflow made ``inf -
+inf = NaN``).
 
-Non-finite log-probs (NaN, ``+-inf``) are not clamped into finite numbers: an estimate whose
-log-ratio is not finite is NaN (k3, k3+, k1+) or the infinite / NaN difference itself (k1,
-k2), in value and gradient. Finite log-ratios beyond ``+-MAX_LOG_RATIO`` are clamped by k3 as
+Non-finite log-probs (NaN, ``+-inf``) are not clamped into finite numbers: an estimate with a
+non-finite log-prob is NaN (k3, k3+, k1+) or the infinite / NaN difference itself (k1, k2), in
+value and gradient. Finite log-ratios beyond ``+-MAX_LOG_RATIO`` are clamped by k3 as
 documented. The loss terms below read no values (no device synchronisation), so a NaN / inf
 log-prob at a valid token shows up as a non-finite loss there; entries where ``mask`` is
 False are ignored (zeroed first).
+
+Numerics: finite log-probs of any magnitude give the float64 result rounded to the dtype
+(``inf`` only where that result is out of range), never NaN: k2 is ``(0.5 d) d`` (``d^2``
+alone overflows float32 above ``1.8e19``), k3 clamps a log-ratio that overflows (``3e38 -
+(-3e38)``) like any other beyond 20, the straight-through gradient is ``d`` clamped to the
+dtype's largest finite value. The loss terms fold ``coef`` in before squaring (``coef * k2 =
+(2 coef h) h`` with ``h = logprobs / 2 - ref_logprobs / 2``, which cannot overflow), so
+``coef = 0.001`` times a huge k2 is finite when the float64 product is, and ``coef = 0``
+gives exactly 0 for finite input (not ``0 * inf = NaN``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,6 +51,7 @@ from rollkit.ops import masked_mean
 from rollkit.registry import KL_ESTIMATORS, REGULARIZERS
 from rollkit.types import LossOutput
 from rollkit.validation import (
+    InvalidTypeError,
     check_choice,
     check_finite,
     check_float,
@@ -77,12 +90,26 @@ def _check_pair(logprobs: Tensor, ref_logprobs: Tensor) -> None:
     check_same_shape("ref_logprobs", ref_logprobs, "logprobs", logprobs)
 
 
+def _zero_with_grad_of_d(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """``(logprobs - sg(logprobs)) - (ref_logprobs - sg(ref_logprobs))``: exactly 0 for finite
+    inputs (also where ``logprobs - ref_logprobs`` overflows), NaN for non-finite ones (which
+    then propagate), with the derivative of ``d = logprobs - ref_logprobs``."""
+    return (logprobs - logprobs.detach()) - (ref_logprobs - ref_logprobs.detach())
+
+
+def _finite(g: Tensor) -> Tensor:
+    """``g`` clamped to the dtype's finite range (NaN stays NaN)."""
+    big = torch.finfo(g.dtype).max
+    return g.clamp(-big, big)
+
+
 def _k2_grad_with_value_of(k: Tensor, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Value ``k``, gradient of ``k2 = d^2 / 2``: ``sg(d) * (d - sg(d)) + sg(k)``. ``d - sg(d)``
-    is exactly 0 for a finite ``d`` (so the value is exactly ``k``, also where ``d^2`` would
-    overflow) and NaN for a non-finite one (which then propagates)."""
-    d = logprobs - ref_logprobs
-    return d.detach() * (d - d.detach()) + k.detach()
+    """Value ``k``, gradient of ``k2 = d^2 / 2``: ``sg(d) * z + sg(k)`` with ``z`` a zero with the
+    derivative of ``d`` (:func:`_zero_with_grad_of_d`): the value is exactly ``k`` for finite
+    inputs (also where ``d^2``, or ``d`` itself, overflows) and NaN for non-finite ones. Where
+    ``d`` overflows (``|d| > 3.4e38`` in float32) the gradient is the dtype's largest value."""
+    d = (logprobs - ref_logprobs).detach()
+    return _finite(d) * _zero_with_grad_of_d(logprobs, ref_logprobs) + k.detach()
 
 
 @KL_ESTIMATORS.register(
@@ -126,7 +153,8 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     tensor([0.5000, 0.5000])
     """
     _check_pair(logprobs, ref_logprobs)
-    return 0.5 * (logprobs - ref_logprobs).square()
+    d = logprobs - ref_logprobs
+    return (0.5 * d) * d  # not 0.5 * d^2: d^2 overflows float32 for |d| > 1.8e19, k2 only above 2.6e19
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0) -> Tensor:
@@ -140,8 +168,9 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0)
     ``0`` iff ``logprobs == ref_logprobs``; lower variance than k1. The log-ratio is clamped
     to ``[-MAX_LOG_RATIO, MAX_LOG_RATIO] = [-20, 20]`` so that ``exp`` stays finite; the value
     is then clamped to ``[0, clamp]`` (verl clamps to ``[-10, 10]``; k3 is never negative, so
-    this is the same). Clamped tokens pass no gradient. A non-finite log-ratio (a NaN or
-    ``+-inf`` log-prob) is not clamped: the estimate is NaN there. Half-precision inputs are
+    this is the same). Clamped tokens pass no gradient. A non-finite log-prob (NaN or
+    ``+-inf``) is not clamped: the estimate is NaN there; finite log-probs whose difference
+    overflows are clamped like any other large log-ratio. Half-precision inputs are
     computed in float32 (so the clamp keeps ``exp`` and the gradient finite) and the result is
     cast back to the input dtype.
 
@@ -158,8 +187,10 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0)
     out_dtype = torch.promote_types(logprobs.dtype, ref_logprobs.dtype)
     dtype = torch.promote_types(out_dtype, torch.float32)
     raw = ref_logprobs.to(dtype) - logprobs.to(dtype)
-    # raw - raw: 0 where finite, NaN where not, so the clamp cannot turn +-inf into +-20
-    log_r = raw.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) + (raw - raw)
+    # NaN where a log-prob is not finite, so the clamp cannot turn +-inf into +-20; 0 where both
+    # are finite, also where their difference overflows (3e38 - (-3e38) is clamped like 21)
+    lp, ref = logprobs.to(dtype), ref_logprobs.to(dtype)
+    log_r = raw.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) + ((lp - lp) + (ref - ref))
     k = torch.expm1(log_r) - log_r
     k = k if clamp is None else k.clamp(max=clamp)
     return k.to(out_dtype)
@@ -253,20 +284,47 @@ def _check_token_inputs(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) ->
 
 def _masked_kl(
     logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, coef: float, estimator: str, clamp: float | None
-) -> Tensor:
-    """Validated per-token estimate (not yet times ``coef``) on inputs zeroed outside the mask,
-    so that padding (even NaN / inf) never reaches a value or a gradient. Computed (and
-    returned) in ``compute_dtype`` (float32 for half-precision inputs); ``ref_logprobs`` is
-    detached (a constant)."""
+) -> tuple[Tensor, Tensor]:
+    """``(k, coef * k)``: the validated per-token estimate and its product with ``coef``, on
+    inputs zeroed outside the mask, so that padding (even NaN / inf) never reaches a value or
+    a gradient. Computed (and returned) in ``compute_dtype`` (float32 for half-precision
+    inputs); ``ref_logprobs`` is detached (a constant). ``coef * k`` is formed without an
+    intermediate overflow (:func:`_coef_times`)."""
     _check_token_inputs(logprobs, ref_logprobs, mask)
     check_positive("coef", coef, allow_zero=True)
+    name = _ALIASES.get(estimator, estimator)
+    check_choice("estimator", name, [*KL_ESTIMATOR_NAMES, *_ALIASES])
     dtype = compute_dtype(logprobs)
-    return kl_estimate(
-        zero_outside(logprobs.to(dtype), mask),
-        zero_outside(ref_logprobs.detach().to(dtype), mask),
-        estimator=estimator,
-        clamp=clamp,
-    )
+    lp = zero_outside(logprobs.to(dtype), mask)
+    ref = zero_outside(ref_logprobs.detach().to(dtype), mask)
+    k = kl_estimate(lp, ref, estimator=name, clamp=clamp)
+    return k, _coef_times(k, lp, ref, name, float(coef))
+
+
+def _coef_times(k: Tensor, logprobs: Tensor, ref_logprobs: Tensor, name: str, coef: float) -> Tensor:
+    """``coef * k`` (value and gradient) for the estimator ``name`` whose estimate is ``k``,
+    with ``coef`` folded in before anything is squared: ``h = logprobs / 2 - ref_logprobs / 2``
+    never overflows for finite inputs, ``coef * k1 = 2 coef h``, ``coef * k2 = (2 coef h) h``,
+    the straight-through gradient ``coef * d = 2 coef h`` (clamped to the finite range). So
+    the product is the float64 one rounded, and exactly 0 for ``coef = 0`` and finite inputs
+    (NaN for non-finite ones, as ``0 * k``)."""
+    if name == "k3":
+        return coef * k
+    h = logprobs / 2 - ref_logprobs / 2
+    g = (2.0 * coef) * h
+    if name == "k1":
+        return g
+    z = _zero_with_grad_of_d(logprobs, ref_logprobs)
+    if name == "k2":
+        # coef * (0.5 d) d (bit for bit coef * k) where k is finite; where it overflowed, the
+        # value (2 coef h) h with the gradient coef * d (clamped to the finite range: autograd
+        # through g * h would add two halves of it and overflow first). d is zeroed there, so
+        # no infinite derivative meets where's zero gradient (0 * inf = NaN).
+        fin = torch.isfinite(k.detach())
+        d = torch.where(fin, logprobs - ref_logprobs, torch.zeros((), dtype=h.dtype, device=h.device))
+        return torch.where(fin, coef * ((0.5 * d) * d), _finite(g.detach()) * z + (g * h).detach())
+    value = g if name == "k1+" else coef * k
+    return _finite(g.detach()) * z + value.detach()
 
 
 @REGULARIZERS.register(
@@ -308,8 +366,8 @@ def kl_loss(
     >>> out.metrics["kl"]
     tensor(0.)
     """
-    k = _masked_kl(logprobs, ref_logprobs, mask, coef=coef, estimator=estimator, clamp=clamp)
-    loss = zero_outside(coef * k, mask)
+    k, coef_k = _masked_kl(logprobs, ref_logprobs, mask, coef=coef, estimator=estimator, clamp=clamp)
+    loss = zero_outside(coef_k, mask)
     metrics = {
         "kl": masked_stat(k, mask),
         "kl_coef": torch.tensor(float(coef), dtype=k.dtype, device=k.device),
@@ -337,8 +395,8 @@ def kl_penalty(
     >>> kl_penalty(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, 0.0]]), torch.tensor([[True, False]]), coef=0.1)
     tensor([[0.1000, 0.0000]])
     """
-    k = _masked_kl(logprobs, ref_logprobs, mask, coef=coef, estimator=estimator, clamp=clamp)
-    return zero_outside(coef * k, mask)
+    _, coef_k = _masked_kl(logprobs, ref_logprobs, mask, coef=coef, estimator=estimator, clamp=clamp)
+    return zero_outside(coef_k, mask)
 
 
 def _last_token_index(mask: Tensor) -> Tensor:
@@ -392,9 +450,10 @@ def apply_kl_penalty(
     check_same_device("rewards", rewards, "mask", mask)
     check_finite("rewards", rewards)
     with torch.no_grad():
-        pen = kl_penalty(
-            logprobs.detach(), ref_logprobs.detach(), mask, coef=1.0, estimator=estimator, clamp=clamp
-        )
+        lp, ref = logprobs.detach(), ref_logprobs.detach()
+        pen = kl_penalty(lp, ref, mask, coef=1.0, estimator=estimator, clamp=clamp)
+        # coef folded in before squaring (k2 times a small coef stays finite where it should)
+        pen_c = pen if coef == 1.0 else kl_penalty(lp, ref, mask, coef=coef, estimator=estimator, clamp=clamp)
         B, T = mask.shape
         zero = torch.zeros((), dtype=pen.dtype, device=pen.device)
         if rewards.ndim == 1:
@@ -410,14 +469,18 @@ def apply_kl_penalty(
             raise ValueError(
                 f"rewards: expected shape [B]={[B]} or [B, T]={[B, T]}, got {list(rewards.shape)}"
             )
-        token_rewards = torch.where(mask, placed - coef * pen, zero)
-        n = mask.sum(-1)
-        nonempty = n > 0
-        row_sum = pen.sum(-1)
-        row_mean = row_sum / n.clamp(min=1)
+        token_rewards = torch.where(mask, placed - pen_c, zero)
+        nonempty = mask.any(-1)
+        # overflow-free sums and means (rollkit.ops): huge per-token KLs of both signs (k1)
+        # must not turn a representable row sum into inf - inf = NaN
+        row_mean = masked_mean(pen, mask, dim=-1, empty_value=0.0)
+        # the mean over rows of the row sums is the token mean times tokens per row: no row
+        # sum is formed (one could overflow though their mean does not)
+        n_rows, n_tokens = nonempty.sum().to(pen.dtype), mask.sum().to(pen.dtype)
+        seq_sum = masked_mean(pen, mask, empty_value=0.0) * (n_tokens / n_rows.clamp(min=1))
         metrics = {
             "kl": masked_mean(row_mean, nonempty, empty_value=0.0),
-            "kl_seq_sum": masked_mean(row_sum, nonempty, empty_value=0.0),
+            "kl_seq_sum": seq_sum,
             "kl_coef": torch.tensor(float(coef), dtype=pen.dtype, device=pen.device),
         }
     return token_rewards, metrics
@@ -427,15 +490,33 @@ def apply_kl_penalty(
 
 
 def _as_float(name: str, x: float | Tensor) -> float:
+    """A finite real scalar from a number or a real 1-element tensor (any device but meta);
+    every other input raises naming ``name`` (a wrong type or dtype: ``InvalidTypeError``)."""
     if isinstance(x, Tensor):
+        if x.is_complex() or x.dtype == torch.bool:
+            raise InvalidTypeError(
+                f"{name}: expected a real number or a real 1-element tensor, got dtype {x.dtype}"
+            )
         if x.numel() != 1:
             raise ValueError(f"{name}: expected a number or a 1-element tensor, got shape {list(x.shape)}")
-        v = float(x.detach())
+        if x.is_meta:
+            raise ValueError(f"{name}: is on the meta device, which holds no value to read")
+        v = float(x.detach().reshape(()).to(torch.float64))
     else:
         v = check_real(name, x)
-    if v != v or v in (float("inf"), float("-inf")):
+    if not math.isfinite(v):
         raise ValueError(f"{name}: must be finite, got {v}")
     return v
+
+
+def _check_n_steps(n_steps: object) -> float:
+    """``n_steps``: a finite real number ``>= 0`` (the number of samples the KL was measured
+    on; ``check_positive``'s messages)."""
+    n = check_real("n_steps", n_steps)
+    check_positive("n_steps", n_steps, allow_zero=True)
+    if not math.isfinite(n):
+        raise ValueError(f"n_steps: must be finite, got {n_steps}")
+    return n
 
 
 class FixedKLController:
@@ -451,7 +532,10 @@ class FixedKLController:
         self.value = float(coef)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> float:
-        """No-op; returns the coefficient."""
+        """No-op (the arguments are checked as :meth:`AdaptiveKLController.update` checks
+        them); returns the coefficient."""
+        _as_float("current_kl", current_kl)
+        _check_n_steps(n_steps)
         return self.value
 
     def state_dict(self) -> dict[str, Any]:
@@ -495,11 +579,22 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float | Tensor, n_steps: int) -> float:
-        """Update the coefficient from the KL measured on ``n_steps`` samples; return it."""
+        """Update the coefficient from the KL measured on ``n_steps`` samples; return it.
+
+        ``current_kl``: a finite real number, or a real 1-element tensor (read with one host
+        synchronisation; ``meta`` refused). ``n_steps``: a finite number in ``[0, 5 *
+        horizon]``: beyond, an error of ``-0.2`` would make the factor ``1 + e * n_steps /
+        horizon`` negative, and with it the coefficient. Anything else raises naming the
+        argument."""
         kl = _as_float("current_kl", current_kl)
-        check_positive("n_steps", n_steps, allow_zero=True)
+        n = _check_n_steps(n_steps)
+        if n > 5.0 * self.horizon:
+            raise ValueError(
+                f"n_steps: must be at most 5 * horizon = {5.0 * self.horizon} (a larger step can make "
+                f"the coefficient negative: 1 - 0.2 * n_steps / horizon < 0), got {n_steps}"
+            )
         error = min(max(kl / self.target - 1.0, -0.2), 0.2)
-        self.value = self.value * (1.0 + error * n_steps / self.horizon)
+        self.value = self.value * (1.0 + error * n / self.horizon)
         return self.value
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,11 +7,22 @@ from torch import Tensor
 
 from rollkit.keys import OLD_VALUES, RESPONSE_MASK, RETURNS, VALUE_LOSS, VALUES
 from rollkit.losses._common import check_token_tensors, compute_dtype, masked_stat, zero_outside
+from rollkit.ops import _pow2
 from rollkit.registry import VALUE_LOSSES
 from rollkit.types import LossOutput
 from rollkit.validation import check_positive
 
 __all__ = ["value_loss"]
+
+
+def _mean_square(e: Tensor, mask: Tensor) -> Tensor:
+    """Detached mean of ``e^2`` over ``mask`` (0 for an empty mask), without overflow: the
+    squares are taken of ``e / p``, ``p`` a power of two near the largest ``|e|`` (exact), so
+    the mean is ``inf`` only where it is beyond the dtype's range, not where one square is."""
+    e = zero_outside(e.detach(), mask)
+    p = _pow2(e.abs().amax()) if e.numel() else torch.ones((), dtype=e.dtype, device=e.device)
+    q = e / p
+    return (masked_stat(q * q, mask) * p) * p
 
 
 @VALUE_LOSSES.register(
@@ -57,6 +68,14 @@ def value_loss(
     ``returns`` and ``old_values`` are targets (detached: they never receive a gradient), and
     half-precision inputs are upcast: the loss is float32 (``compute_dtype``).
 
+    Numerics: the errors are formed as ``V / 2 - R / 2`` and ``coef`` multiplies them before
+    they are squared, so finite inputs of any magnitude give the float64 loss rounded to the
+    dtype, ``inf`` only where it is beyond the dtype's range (``coef = 0.5`` and an error of
+    ``2e19``: ``2e38``, not ``inf``; ``coef = 0``: exactly 0, not ``0 * inf = NaN``), and the
+    metrics are overflow-free means (``values_mean`` of ``3e38`` and ``-3e38`` is 0, not NaN).
+    ``V_clip`` is ``V`` itself where the clip is inactive (not ``old_V + (V - old_V)``, which
+    rounds to ``old_V``'s precision), so an inactive clip never counts in ``vf_clipfrac``.
+
     >>> v = torch.tensor([[1.0, 0.0]], requires_grad=True)
     >>> out = value_loss(v, torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 1.0]]), torch.tensor([[True, True]]))
     >>> out.loss   # 0.5 * max(1, 0.2^2) and 0.5 * max(1, 1)
@@ -74,19 +93,35 @@ def value_loss(
     dtype = compute_dtype(values)
     values = zero_outside(values.to(dtype), mask)
     old_values, returns = (zero_outside(x.detach().to(dtype), mask) for x in (old_values, returns))
-    unclipped = (values - returns).square()
+    # Half errors h = V/2 - R/2 cannot overflow for finite inputs (V - R can: 3e38 - (-3e38)).
+    h_u = values / 2 - returns / 2
+    a_u = h_u.abs()
     if clip_range is None:
-        per_token = unclipped
+        a, h = a_u, h_u
         clipped_used = torch.zeros_like(mask)
     else:
-        v_clip = old_values + (values - old_values).clamp(-clip_range, clip_range)
-        clipped = (v_clip - returns).square()
-        per_token = torch.maximum(unclipped, clipped)
-        clipped_used = clipped > unclipped
-    loss = zero_outside(coef * per_token, mask)
+        # V itself where the clip is inactive: old + (V - old) would round to a multiple of
+        # old's ulp (|old| = 1e30, V = 1e20: 0 in float32), clamp's gradient on the same set
+        delta = values - old_values
+        inside = delta.abs() <= clip_range
+        v_clip = torch.where(inside, values, old_values + delta.clamp(-clip_range, clip_range))
+        h_c = v_clip / 2 - returns / 2
+        a_c = h_c.abs()
+        a = torch.maximum(a_u, a_c)
+        clipped_used = a_c > a_u
+        h = torch.where(clipped_used, h_c, h_u)
+    sq = (a * a) * 4  # max((V - R)^2, (V_clip - R)^2), rounded exactly as the plain square
+    # coef * sq where the square is finite: bit for bit the usual formula. Where it overflowed:
+    # the value (4 coef a) a (coef folded in first: the float64 loss rounded, 0 for coef = 0)
+    # with the gradient 2 coef (V_used - R) = 4 coef h (clamped to the finite range), passed
+    # straight through h (autograd through a * a would add two halves of it and overflow).
+    big = torch.finfo(sq.dtype).max
+    grad = ((4.0 * coef) * h.detach()).clamp(-big, big)
+    over = grad * ((h - h.detach()) * 2) + (((4.0 * coef) * a) * a).detach()
+    loss = zero_outside(torch.where(torch.isinf(sq), over, coef * sq), mask)
     metrics = {
-        "vf_clipfrac": masked_stat(clipped_used.to(unclipped.dtype), mask),
-        "vf_mse": masked_stat(unclipped, mask),
+        "vf_clipfrac": masked_stat(clipped_used.to(values.dtype), mask),
+        "vf_mse": _mean_square(2 * h_u, mask),
         "values_mean": masked_stat(values, mask),
     }
     return LossOutput(loss, metrics)
