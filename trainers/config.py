@@ -296,7 +296,8 @@ class RewardConfig:
     """Scoring: a verifier of :data:`trainers.rewards.VERIFIERS` run by a
     :class:`~trainers.rewards.RewardPool` on each sample as soon as it is generated."""
 
-    verifier: str = "exact_match"  # "exact_match", "math_verify", "llm_judge" or "code"
+    # "exact_match", "math_verify", "llm_judge", "code", "ifeval", "multiple_choice", "reward_model"
+    verifier: str = "exact_match"
     backend: str = "inline"  # "inline", "process" or "ray"
     num_workers: int = 2  # with max_workers: the size the pool starts at and never shrinks below
     max_workers: int = 0  # > 0: the pool grows with its queue up to this many workers (0: fixed size)
@@ -312,6 +313,14 @@ class RewardConfig:
     judge_model: str = ""  # llm_judge: "" = SmolLM2-135M-Instruct, "tiny", or a HF checkpoint directory
     judge_max_tokens: int = 64  # llm_judge: the most tokens of one judgment
     judge_invalid_score: float = 0.0  # llm_judge: the reward of a malformed judgment
+    # llm_judge: "http://host:port" of a running `vllm serve` judge, asked through the server
+    # client with a deadline ("": the judge model runs in this process / the reward workers)
+    judge_url: str = ""
+    # reward_model: a sequence-classification checkpoint (num_labels=1, e.g. trained by
+    # recipes/reward_model.py) whose scalar score of prompt + response is the reward
+    rm_path: str = ""
+    rm_max_length: int = 512  # reward_model: prompt + response tokens scored (longer: truncated on the left)
+    rm_batch_size: int = 8  # reward_model: responses scored per forward pass
     # code: the program runs the problem's tests in the sandbox (the problem is the prompt's answer, as JSON)
     code_mode: str = "all"  # "all": 1 if every test passes; "fraction": the share that pass
     code_timeout_s: float = 10.0  # per sandbox run (reward.timeout_s must cover every test of a sample)
@@ -324,10 +333,17 @@ class RewardConfig:
         """Keyword options for :func:`trainers.rewards.get_verifier` (the judge's for ``llm_judge``,
         the sandbox's for ``code``)."""
         if self.verifier == "llm_judge":
-            return {
+            opts = {
                 "judge_model": self.judge_model,
                 "max_tokens": self.judge_max_tokens,
                 "invalid_score": self.judge_invalid_score,
+            }
+            return {**opts, "server_url": self.judge_url} if self.judge_url else opts
+        if self.verifier == "reward_model":
+            return {
+                "model_path": self.rm_path,
+                "max_length": self.rm_max_length,
+                "batch_size": self.rm_batch_size,
             }
         if self.verifier == "code":
             return {

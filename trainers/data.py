@@ -41,11 +41,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Prompt:
-    """One question: ``text`` (a string, or chat messages), ``answer``, ``data_source``."""
+    """One question: ``text`` (a string, or chat messages), ``answer``, ``data_source``, and
+    ``domain``: the name of the ``data.domains`` entry whose verifier scores it (``""`` in a
+    run with one domain)."""
 
     text: Any
     answer: str
     data_source: str = "default"
+    domain: str = ""
 
 
 def addition_task(

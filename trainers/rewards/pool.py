@@ -139,6 +139,7 @@ class _Ledger:
         self.next_id = 0
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.busy_s = 0.0
+        self.busy_by_domain: collections.Counter[str] = collections.Counter()  # prompt.domain -> s
         self.hwm = 0
         self.workers_hwm = 0
         self.recent_errors: collections.deque[str] = collections.deque(maxlen=20)
@@ -178,6 +179,7 @@ class _Ledger:
         self.results[task.key] = reward if status == "ok" else 0.0
         self.counts["scored"] += 1
         self.busy_s += busy
+        self.busy_by_domain[getattr(task.prompt, "domain", "")] += busy
         if status != "ok":
             self.counts[{"error": "errors", "timeout": "timeouts", "crash": "crash_failures"}[status]] += 1
             self.recent_errors.append(f"{status} on key {task.key!r}: {err}")
@@ -195,6 +197,7 @@ class _Ledger:
             self.record(task_id, "crash", 0.0, busy, f"{err} ({task.attempts} attempts)")
             return
         self.busy_s += busy
+        self.busy_by_domain[getattr(task.prompt, "domain", "")] += busy
         self.counts["retries"] += 1
         self.recent_errors.append(f"crash on key {task.key!r}: {err}; retrying on a fresh worker")
         self.queue.appendleft(task_id)
@@ -750,6 +753,12 @@ class RewardPool:
                 "workers": float(len(self._workers.slots) if self._workers is not None else 0),
                 "workers_hwm": float(led.workers_hwm),
             }
+
+    def busy_by_domain(self) -> dict[str, float]:
+        """Seconds inside the verifier over the pool's life, per ``prompt.domain`` (``""``: the
+        prompts of a run with one domain); they sum to ``metrics()["busy_s"]``."""
+        with self._ledger.lock:
+            return dict(self._ledger.busy_by_domain)
 
     def worker_pids(self) -> list[int]:
         """The process ids of the live workers (process backend), for monitoring and tests."""
