@@ -97,6 +97,11 @@ class DataConfig:
     eval_split: str = "test"
     eval_size: int = 100  # held-out prompts (procedural task)
     chat_template: str = "auto"  # "auto": use the tokenizer's chat template if it has one; "on"; "off"
+    # several domains in one run (docs/domains.md; ROLL's domain_interleave_probs): a mapping
+    # name -> {weight, task | train_file, verifier, ...} (keys: DOMAIN_KEYS). Each step draws an
+    # exact integer quota of prompts per domain from the weights; each domain's verifier scores
+    # its prompts. {}: one domain (task / train_file and reward.verifier above)
+    domains: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -225,6 +230,10 @@ class AlgorithmConfig:
     aggregation: str = "token-mean"
     entropy_coef: float = 0.0
     reward_normalizer: bool = False  # running reward standardisation before the advantages
+    # standardise the rewards over the batch, (r - mean) / (std + eps), before the advantages
+    # (REINFORCE++ / ROLL's batch reward norm; rollkit.rewards.normalize_rewards). With
+    # data.domains both normalisations (and their statistics) are per domain
+    batch_reward_norm: bool = False
     # > 0: clamp each sequence reward to [-reward_clip, reward_clip] after the KL penalty and the
     # normaliser, before the advantages (ROLL reward_clip; rollkit.rewards.clip_rewards). 0: off
     reward_clip: float = 0.0
@@ -402,6 +411,11 @@ class EvalConfig:
     every: int = 10
     max_tokens: int = 12
     before: bool = True
+    # > 1: also sample n responses per held-out prompt at `temperature` and report pass@k and
+    # mean@k (Chen et al. 2021's unbiased estimator) for each k of `k`, per domain. 1: greedy only
+    n: int = 1
+    temperature: float = 1.0
+    k: list = field(default_factory=list)  # the k of pass@k / mean@k ([]: 1 and n)
 
 
 @dataclass
@@ -1080,8 +1094,115 @@ def parse_length_dist(spec: str) -> tuple[float, float] | None:
     return median, sigma
 
 
+#: the keys of one ``data.domains`` entry (:class:`DomainSpec`'s fields but ``name``)
+DOMAIN_KEYS = (
+    "weight",
+    "task",
+    "task_options",
+    "train_file",
+    "train_split",
+    "eval_file",
+    "eval_split",
+    "eval_size",
+    "verifier",
+    "verifier_options",
+)
+
+#: procedural tasks a domain may name (``trainers.domains.TASKS``)
+TASK_NAMES = ("addition", "functions", "formats", "choice")
+
+
+@dataclass(frozen=True)
+class DomainSpec:
+    """One checked ``data.domains`` entry. Prompts come from ``train_file`` (and ``eval_file``,
+    else the first ``eval_size`` records are held out), from the procedural ``task`` (with
+    ``task_options``), or, with neither, from the records of ``data.train_file`` whose
+    ``domain`` field names this domain. ``verifier`` ("" = ``reward.verifier``) with
+    ``verifier_options`` scores them; ``weight`` sets the domain's share of each step."""
+
+    name: str
+    weight: float = 1.0
+    task: str = ""
+    task_options: dict = field(default_factory=dict)
+    train_file: str = ""
+    train_split: str = "train"
+    eval_file: str = ""
+    eval_split: str = "test"
+    eval_size: int | None = None  # held out from train_file / the task (None: data.eval_size, a task's own)
+    verifier: str = ""
+    verifier_options: dict = field(default_factory=dict)
+
+
+def _domain_field(where: str, key: str, value: Any, default: Any) -> Any:
+    """``value`` checked against the type of ``default`` (a one-line error naming ``where.key``)."""
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}.{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if isinstance(default, float):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(f"{where}.{key}: expected a number > 0, got {value!r}")
+        return float(value)
+    if isinstance(default, int) or key == "eval_size":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}.{key}: expected an int >= 0, got {value!r}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{where}.{key}: expected a string, got {value!r}")
+    return value
+
+
+def domain_specs(cfg: Config) -> list[DomainSpec]:
+    """The checked ``data.domains`` entries of ``cfg``, in the order written; ``[]`` for a run with
+    one domain. A bad entry raises ``ValueError`` naming ``data.domains.<name>.<key>``."""
+    raw = cfg.data.domains
+    if not isinstance(raw, dict):
+        raise ValueError(f"data.domains: expected a mapping name -> settings, got {raw!r}")
+    defaults = DomainSpec("_")
+    out = []
+    for name, entry in raw.items():
+        where = f"data.domains.{name}"
+        if not isinstance(name, str) or not name or not all(ch.isalnum() or ch in "_-." for ch in name):
+            raise ValueError(f"data.domains: a domain name must be letters, digits, _ - or ., got {name!r}")
+        if entry is None:
+            entry = {}
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected a mapping of {', '.join(DOMAIN_KEYS)}, got {entry!r}")
+        unknown = sorted(set(entry) - set(DOMAIN_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; known: {', '.join(DOMAIN_KEYS)}")
+        values = {k: _domain_field(where, k, v, getattr(defaults, k)) for k, v in entry.items()}
+        spec = DomainSpec(name, **values)
+        if spec.task and spec.train_file:
+            raise ValueError(f"{where}: give task or train_file, not both")
+        if spec.task and spec.task not in TASK_NAMES:
+            raise ValueError(f"{where}.task: unknown task {spec.task!r}; known: {', '.join(TASK_NAMES)}")
+        if not spec.task and not spec.train_file and not cfg.data.train_file:
+            raise ValueError(
+                f"{where}: no prompts: set its task or train_file, or data.train_file with records "
+                f"whose 'domain' field is {name!r}"
+            )
+        if spec.eval_file and not spec.train_file:
+            raise ValueError(f"{where}.eval_file: set {where}.train_file too")
+        for key in ("train_file", "eval_file"):
+            f = getattr(spec, key)
+            if f and not Path(f).exists() and not is_hub_id(f):
+                raise ValueError(f"{where}.{key}: no such file, directory or hub dataset name: {f}")
+        out.append(spec)
+    return out
+
+
 def _check_data(c: Config) -> None:
     d = c.data
+    specs = domain_specs(c)
+    if specs:
+        _check_domain_run(c)
+        return
     _check_names(c, [("data.chat_template", d.chat_template, ("auto", "on", "off"))])
     _check_numbers([("data.eval_size", d.eval_size, "int>=0")])
     for name, f in (("data.train_file", d.train_file), ("data.eval_file", d.eval_file)):
@@ -1093,6 +1214,27 @@ def _check_data(c: Config) -> None:
         )
     if not d.train_file:
         _check_names(c, [("data.task", d.task, ("addition",)), ("data.digits", d.digits, (1, 2, 3))])
+
+
+def _check_domain_run(c: Config) -> None:
+    """What a run with ``data.domains`` cannot combine with."""
+    if c.data.eval_file:
+        raise ValueError("data.eval_file: with data.domains give each domain's eval_file instead")
+    if c.tail_batching.enabled:
+        raise ValueError(
+            "tail_batching.enabled: its prompt queue has no domain quotas yet; set data.domains={} "
+            "or tail_batching.enabled=false"
+        )
+
+
+def _check_eval(c: Config) -> None:
+    e = c.eval
+    _check_numbers([("eval.n", e.n, "int>=1"), ("eval.temperature", e.temperature, ">0")])
+    for k in e.k:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e.n:
+            raise ValueError(f"eval.k: every k must be an int in [1, eval.n={e.n}], got {k!r}")
+    if e.k and e.n == 1:
+        raise ValueError("eval.k: pass@k needs eval.n > 1 samples per prompt")
 
 
 def _check_engine_temperature(v: object) -> None:
@@ -1164,6 +1306,7 @@ def validate(cfg: Config) -> None:
     _check_algorithm(c)
     _check_roll_options(c)
     _check_data(c)
+    _check_eval(c)
     parse_length_dist(c.rollout.length_dist)
     _check_servers(c.rollout)
     if c.rollout.engine == "server" and c.ray.enabled:

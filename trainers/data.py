@@ -74,6 +74,10 @@ def addition_task(
 
 
 def _answer_of(rec: dict[str, Any]) -> str:
+    if "instruction_id_list" in rec:  # an IFEval record: its instructions are the ground truth
+        return json.dumps(
+            {"instruction_id_list": rec["instruction_id_list"], "kwargs": rec.get("kwargs") or []}
+        )
     for key in ("answer", "ground_truth", "solution"):
         if key in rec and rec[key] is not None:
             return str(rec[key])
@@ -159,7 +163,9 @@ def load_prompts(path: str | Path, *, field: str = "path", split: str = "train")
     """Prompts from a ``.jsonl`` file, a ``.parquet`` file (needs ``pyarrow``), a ``datasets``
     directory (``save_to_disk``) or a hub dataset name (``split`` of it; fetched when online),
     with verl's fields (``prompt``, the answer in ``answer`` / ``ground_truth`` /
-    ``reward_model.ground_truth``, ``data_source``). A bad file or record raises ``ValueError``
+    ``reward_model.ground_truth``, ``data_source``; IFEval's ``instruction_id_list`` and
+    ``kwargs`` become the answer as JSON; ``domain`` tags the record for a ``data.domains`` run).
+    A bad file or record raises ``ValueError``
     naming ``field``, the file and the line (or row)."""
     if Path(path).is_dir() or is_hub_id(path):
         records = _dataset_records(str(path), field, split)
@@ -177,7 +183,10 @@ def load_prompts(path: str | Path, *, field: str = "path", split: str = "train")
         except ValueError as e:
             raise ValueError(f"{field}: {where}: {e}") from None
         text = prompt_text(where, field, rec["prompt"])
-        out.append(Prompt(text, answer, str(rec.get("data_source") or "default")))
+        domain = rec.get("domain") or ""
+        if not isinstance(domain, str):
+            raise ValueError(f"{field}: {where}: 'domain' must be a string, got {domain!r}")
+        out.append(Prompt(text, answer, str(rec.get("data_source") or "default"), domain))
     if not out:
         raise ValueError(f"{field}: {path} holds no prompts")
     return out
@@ -244,6 +253,10 @@ class PromptIterator:
             out.append(self.items[self._order[self.position]])
             self.position += 1
         return out
+
+    def next_like(self, prompts: Sequence[Any]) -> list[Any]:
+        """As many fresh items as ``prompts`` (dynamic-sampling refills; one domain here)."""
+        return self.next_batch(len(prompts))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}

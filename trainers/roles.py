@@ -21,8 +21,9 @@ from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.learner import Learner, learner_for
 from trainers.ray import build_ray_roles
 from trainers.rewards import RewardPool, get_verifier
+from trainers.rewards.routing import domain_verifiers
 
-__all__ = ["AnswerReward", "Roles", "build_roles", "close_all"]
+__all__ = ["AnswerReward", "Roles", "build_roles", "build_verifier", "close_all", "reward_pool"]
 
 #: the reward pool's failure counters reported every step
 REWARD_FAILURES = ("errors", "timeouts", "crashes", "retries", "crash_failures")
@@ -59,6 +60,7 @@ class Roles:
     reward_fn: Any = None
     owned: list[Any] = field(default_factory=list)
     _reward_busy: float = 0.0
+    _domain_busy: dict[str, float] = field(default_factory=dict)
 
     @property
     def offload(self) -> bool:
@@ -81,7 +83,8 @@ class Roles:
         the verifier, summed over workers; above the wall-clock ``time/reward`` when workers score
         in parallel), ``reward/workers`` and ``reward/workers_hwm``, the run's failure counts
         (``reward/errors``, ``timeouts``, ``crashes``, ``retries``, ``crash_failures``); with an
-        inline verifier that counts its own work (the LLM judge) its counters as ``judge/<name>``."""
+        inline verifier that counts its own work (the LLM judge) its counters as ``judge/<name>``;
+        with ``data.domains``, ``domain/<name>/reward_busy_s`` per domain."""
         m = self.rewards.metrics()
         busy, self._reward_busy = m["busy_s"] - self._reward_busy, m["busy_s"]
         out = {
@@ -91,6 +94,10 @@ class Roles:
         }
         # failures over the run so far: verifier errors, timeouts, worker crashes, retries, lost samples
         out.update({f"reward/{k}": m[k] for k in REWARD_FAILURES if k in m})
+        for d, s in self.rewards.busy_by_domain().items():  # data.domains: verifier seconds per domain
+            if d:
+                out[f"domain/{d}/reward_busy_s"] = s - self._domain_busy.get(d, 0.0)
+                self._domain_busy[d] = s
         counts = getattr(self.verifier, "metrics", None)
         if self.cfg.reward.backend == "inline" and self.reward_fn is None and callable(counts):
             out.update({f"judge/{k}": float(v) for k, v in counts().items()})
@@ -140,7 +147,15 @@ def _reference(cfg: Config, train: Any, given: Any) -> Any:
     return ref
 
 
-def _reward_pool(cfg: Config, verifier: Any, reward_fn: Any) -> RewardPool:
+def build_verifier(cfg: Config) -> Any:
+    """The verifier of ``cfg``: one per domain routed by tag with ``data.domains``
+    (:func:`trainers.rewards.routing.domain_verifiers`), else ``reward.verifier``."""
+    return domain_verifiers(cfg) or get_verifier(cfg.reward.verifier, **cfg.reward.verifier_options())
+
+
+def reward_pool(cfg: Config, verifier: Any, reward_fn: Any = None) -> RewardPool:
+    """The :class:`~trainers.rewards.RewardPool` of ``cfg.reward`` over ``verifier`` (or over
+    ``reward_fn(text, answer)`` when given)."""
     r = cfg.reward
     return RewardPool(
         verifier if reward_fn is None else AnswerReward(reward_fn),
@@ -191,9 +206,9 @@ def build_roles(
                 owned.append(rollout)  # its servers stop with the roles, not when it is collected
     if tokenizer is None:
         raise ValueError("tokenizer: required when the engines are passed in")
-    verifier = get_verifier(cfg.reward.verifier, **cfg.reward.verifier_options())
     try:
-        rewards = _reward_pool(cfg, verifier, reward_fn)
+        verifier = build_verifier(cfg)
+        rewards = reward_pool(cfg, verifier, reward_fn)
     except BaseException:
         for o in owned:
             o.close()

@@ -182,7 +182,7 @@ class GroupCollector:
         rollout: Any,
         rewards: RewardPool,
         codec: Codec,
-        iterator: PromptIterator,
+        iterator: PromptIterator | Any,
         maker: RequestMaker,
     ) -> None:
         self.cfg, self.rollout, self.rewards, self.codec = cfg, rollout, rewards, codec
@@ -207,8 +207,11 @@ class GroupCollector:
         f = cfg.filter
         max_rounds = f.max_rounds if f.zero_variance or f.accuracy_band else 1
         band_dropped = 0
+        dropped: list[Prompt] = []
+        by_domain: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # domain -> [kept, filtered]
         while len(groups) < P and rounds < max_rounds:
-            prompts = self.iterator.next_batch(P - len(groups))
+            # refills replace the filtered groups from their own domains
+            prompts = self.iterator.next_like(dropped) if rounds else self.iterator.next_batch(P)
             gens, rewards = self.generate_and_score(prompts, sampling_params(cfg, rounds, step), step, timer)
             rounds += 1
             for g, r in zip(gens, rewards):
@@ -225,13 +228,21 @@ class GroupCollector:
                 band = accuracy_band_keep(cfg, rewards, gid)
                 band_dropped += int((keep & ~band).sum()) // n
                 keep = keep & band
+            dropped = []
             for i, p in enumerate(prompts):
+                by_domain[p.domain][0 if bool(keep[i * n]) else 1] += 1
                 if bool(keep[i * n]):
                     groups.append((p, gens[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n]))
+                else:
+                    dropped.append(p)
         groups = groups[:P]
         metrics = _rollout_metrics(all_rewards, all_lens, rounds, len(groups), by_source)
         if f.accuracy_band:
             metrics["filter/accuracy_band_dropped"] = band_dropped
+        for d, (kept, filtered) in by_domain.items():
+            if d:  # a multi-domain run (data.domains)
+                metrics[f"domain/{d}/kept_groups"] = kept
+                metrics[f"domain/{d}/filtered_groups"] = filtered
         return groups, metrics, all_lens
 
     def generate_and_score(

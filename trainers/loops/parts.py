@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainers.config import Config
-from trainers.data import Prompt, PromptIterator, build_prompts
+from trainers.data import Prompt, PromptIterator
+from trainers.domains import DomainIterator, make_iterator, run_prompts
 from trainers.loops.collect import RequestMaker
 from trainers.loops.common import Codec
 from trainers.loops.update import GroupUpdate
@@ -24,7 +25,7 @@ class RLVRParts:
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
     codec: Codec
-    iterator: PromptIterator
+    iterator: PromptIterator | DomainIterator
     maker: RequestMaker
     update: GroupUpdate
 
@@ -38,11 +39,12 @@ def build_parts(
 ) -> RLVRParts:
     """The parts of ``cfg``'s loop: :func:`trainers.roles.build_roles` with ``roles`` (rollout,
     train, tokenizer, model, reward_fn, reference), the prompts (default
-    :func:`trainers.data.build_prompts`), a prompt iterator seeded with ``cfg.seed``."""
+    :func:`trainers.domains.run_prompts`), a prompt iterator seeded with ``cfg.seed``
+    (:func:`trainers.domains.make_iterator`: per-domain quotas with ``data.domains``)."""
     r = build_roles(cfg, **roles)
     try:
         if train_prompts is None or eval_prompts is None:
-            tp, ep = build_prompts(cfg)
+            tp, ep = run_prompts(cfg)
             train_prompts = tp if train_prompts is None else train_prompts
             eval_prompts = ep if eval_prompts is None else eval_prompts
         codec = Codec(r.tokenizer, cfg.data.chat_template)
@@ -51,7 +53,7 @@ def build_parts(
             train_prompts=train_prompts,
             eval_prompts=eval_prompts,
             codec=codec,
-            iterator=PromptIterator(train_prompts, seed=cfg.seed),
+            iterator=make_iterator(cfg, train_prompts),
             maker=RequestMaker(cfg),
             update=GroupUpdate(cfg, r, codec.pad_id),
         )
