@@ -142,7 +142,9 @@ class Tracker:
         import matplotlib.pyplot as plt
 
         mismatch = any(k.startswith("mismatch/") for r in self.history for k in r)
-        fig, axes = plt.subplots(1, 2 if mismatch else 1, figsize=(12 if mismatch else 6, 4), squeeze=False)
+        domains = sorted({k.split("/")[1] for r in self.history for k in r if k.startswith("domain/")})
+        panels = 1 + mismatch + bool(domains)
+        fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
         ax = axes[0][0]
         for key, label in (("reward/mean", "train reward"), ("eval/accuracy", "held-out accuracy")):
             pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
@@ -160,10 +162,26 @@ class Tracker:
         ax.grid(alpha=0.3)
         if mismatch:
             self._plot_mismatch(axes[0][1])
+        if domains:
+            self._plot_domains(axes[0][-1], domains)
         path = self.dir / "curves.png"
         fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)
         return path
+
+    def _plot_domains(self, ax: Any, domains: list[str]) -> None:
+        """Per domain (``data.domains``): the train reward (line) and held-out accuracy (dots)."""
+        for i, d in enumerate(domains):
+            color = f"C{i % 10}"
+            for key, style in ((f"domain/{d}/reward", "-"), (f"eval/domain/{d}/accuracy", "o--")):
+                pts = [(r["step"], r[key]) for r in self.history if r.get(key) is not None]
+                if pts:
+                    label = f"{d} train reward" if style == "-" else f"{d} held-out accuracy"
+                    ax.plot(*zip(*pts), style, color=color, label=label, alpha=0.8)
+        ax.set_xlabel("step")
+        ax.set_title("per domain")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
 
     def _plot_mismatch(self, ax: Any) -> None:
         """The training-inference mismatch per step (docs/correction.md), log scale."""

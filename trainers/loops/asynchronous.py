@@ -38,9 +38,9 @@ from trainers.loops.common import (
     run_fit,
     write_checkpoint,
 )
+from trainers.loops.evaluation import held_out_metrics
 from trainers.loops.parts import attach, build_parts
 from trainers.loops.queue import GroupFactory, QueueScheduler
-from trainers.loops.sync import greedy_accuracy
 from trainers.roles import Roles, close_all
 
 __all__ = ["AsyncTrainer"]
@@ -253,8 +253,8 @@ class AsyncTrainer:
                 sch.stop_in_flight(keep=True)
                 sch.settle_pending()  # the evaluation gathers the reward pool: settle the producer's first
             prompts = self.eval_prompts if prompts is None else prompts
-            return greedy_accuracy(
-                self.roles, self.codec, prompts, self.cfg.eval.max_tokens, progress=self.cfg.logging.progress
+            return held_out_metrics(
+                self.roles, self.codec, prompts, self.cfg, progress=self.cfg.logging.progress
             )
         finally:
             if running:

@@ -275,6 +275,8 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     return {
         "accuracy_before": None if before is None else before.get("eval/accuracy"),
         "accuracy_after": after.get("eval/accuracy"),
+        "eval_before": before,  # every held-out metric (per source, per domain, pass@k)
+        "eval_after": after,
         "steps": steps_run,
         "train_seconds": train_time,
         "seconds_per_step": train_time / max(steps_run, 1),

@@ -50,8 +50,8 @@ from trainers.loops.common import (
     run_fit,
     write_checkpoint,
 )
+from trainers.loops.evaluation import greedy_accuracy
 from trainers.loops.parts import attach, build_parts
-from trainers.loops.sync import greedy_accuracy
 from trainers.models import is_hub_id
 from trainers.ray import RayTeacher, build_ray_teacher, teacher_engine
 

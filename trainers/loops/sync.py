@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -19,55 +18,19 @@ import torch
 
 from trainers.config import Config, validate
 from trainers.data import Prompt
-from trainers.engines.base import SamplingParams, iter_generations
 from trainers.loops.collect import GroupCollector, TailCollector
 from trainers.loops.common import (
-    Codec,
     Timer,
     loop_state,
-    progress_bar,
     read_checkpoint,
     restore_loop_state,
     run_fit,
     write_checkpoint,
 )
+from trainers.loops.evaluation import greedy_accuracy, held_out_metrics
 from trainers.loops.parts import attach, build_parts
-from trainers.roles import Roles
 
 __all__ = ["SyncTrainer", "greedy_accuracy"]
-
-
-def greedy_accuracy(
-    roles: Roles, codec: Codec, prompts: list[Prompt], max_tokens: int, *, progress: bool = False
-) -> dict[str, float]:
-    """Greedy accuracy of the rollout role on ``prompts``, overall (``eval/accuracy``) and per
-    ``data_source`` when there are several, scored by the reward pool. ``progress``: a progress
-    bar (samples as the engine finishes them, with a time estimate)."""
-    if not prompts:
-        return {}
-    params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, seed=0)
-    ids = [codec.encode(p) for p in prompts]
-    if progress:
-        bar = progress_bar(len(prompts), 0, "eval", unit="sample")
-        gens = []
-        for g in iter_generations(roles.rollout, ids, params):
-            gens.append(g)
-            bar.update(1)
-        bar.close()
-        gens.sort(key=lambda g: g.prompt_index)
-    else:
-        gens = roles.rollout.generate(ids, params)
-    for k, g in enumerate(gens):
-        roles.rewards.submit(k, codec.decode(g.token_ids), prompts[g.prompt_index])
-    rewards = roles.rewards.gather()
-    by: dict[str, list[float]] = defaultdict(list)
-    for k, g in enumerate(gens):
-        by[prompts[g.prompt_index].data_source].append(rewards[k])
-    scores = [s for v in by.values() for s in v]
-    out = {"eval/accuracy": sum(scores) / len(scores)}
-    if len(by) > 1:
-        out.update({f"eval/accuracy/{k}": sum(v) / len(v) for k, v in by.items()})
-    return out
 
 
 class SyncTrainer:
@@ -142,11 +105,10 @@ class SyncTrainer:
         return metrics
 
     def evaluate(self, prompts: list[Prompt] | None = None) -> dict[str, float]:
-        """Greedy accuracy on the held-out prompts, overall and per ``data_source``."""
+        """Greedy accuracy on the held-out prompts, overall, per ``data_source`` and per domain;
+        pass@k / mean@k with ``eval.n > 1`` (:func:`trainers.loops.evaluation.held_out_metrics`)."""
         prompts = self.eval_prompts if prompts is None else prompts
-        return greedy_accuracy(
-            self.roles, self.codec, prompts, self.cfg.eval.max_tokens, progress=self.cfg.logging.progress
-        )
+        return held_out_metrics(self.roles, self.codec, prompts, self.cfg, progress=self.cfg.logging.progress)
 
     def fit(self, steps: int | None = None) -> dict[str, Any]:
         """Evaluate, train ``steps`` (default ``train.steps``; counted from the current step up to

@@ -4,14 +4,19 @@
 
     pack (the rollout's log-probs are the old ones) -> [old / proximal recompute on the trainer,
     mismatch correction weights] -> [DAPO soft overlong penalty] -> [reference log-probs, KL as
-    a reward penalty (adaptive coefficient) or a loss term] -> [running reward normalisation] ->
-    [reward clip] -> advantages (registry name) -> [max-length mask] -> [advantage whitening]
+    a reward penalty (adaptive coefficient) or a loss term] -> [running / batch reward
+    normalisation, per domain] -> [reward clip] -> advantages (registry name) -> [max-length mask] -> [advantage whitening]
     -> [advantage clip] -> [colocated rollout sleeps] -> the learner's PPO update (every train rank)
 
 The bracketed ROLL options (``reward.overlong_*``, ``algorithm.kl.target``,
 ``algorithm.reward_clip``, ``filter.max_len_mask``, ``algorithm.whiten_advantages``,
 ``algorithm.advantage_clip``) are off by default; docs/trainer.md lists them. The sync,
 tail-batching and async loops all train through this class, so they share them.
+
+In a multi-domain run (``data.domains``) the reward normalisations keep statistics per domain
+(the prompts' :attr:`~trainers.data.Prompt.domain`), the group advantages stay within groups,
+and :func:`domain_metrics` reports each domain's reward, accuracy, length, truncation and
+advantage size.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from rollkit.rewards import (
     clip_advantages,
     clip_rewards,
     mask_truncated,
+    normalize_rewards,
     overlong_penalty,
 )
 from trainers.config import Config
@@ -37,7 +43,33 @@ from trainers.loops.collect import Group
 from trainers.loops.common import Timer
 from trainers.roles import Roles
 
-__all__ = ["GroupUpdate"]
+__all__ = ["GroupUpdate", "domain_metrics"]
+
+
+def domain_metrics(
+    domains: list[str], rewards: torch.Tensor, gens: list[Any], adv: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Per-domain metrics of a batch: ``domain/<d>/reward`` (mean task reward),
+    ``domain/<d>/accuracy`` (share of samples with reward >= 1, i.e. fully solved),
+    ``domain/<d>/response_length``, ``domain/<d>/truncated_frac`` (stopped by ``max_tokens``),
+    ``domain/<d>/advantage_abs_mean`` (over the domain's response tokens) and
+    ``domain/<d>/samples``. ``domains`` ``[B]`` names each sample's domain (``""``: none, no
+    metrics); ``rewards`` ``[B]``; ``adv`` and ``mask`` ``[B, T]``."""
+    out: dict[str, float] = {}
+    lens = torch.tensor([len(g.token_ids) for g in gens], dtype=torch.float64)
+    trunc = torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.float64)
+    for d in dict.fromkeys(domains):
+        if not d:
+            continue
+        sel = torch.tensor([x == d for x in domains], dtype=torch.bool)
+        r = rewards[sel].double()
+        out[f"domain/{d}/reward"] = float(r.mean())
+        out[f"domain/{d}/accuracy"] = float((r >= 1).double().mean())
+        out[f"domain/{d}/response_length"] = float(lens[sel].mean())
+        out[f"domain/{d}/truncated_frac"] = float(trunc[sel].mean())
+        out[f"domain/{d}/advantage_abs_mean"] = float(adv[sel].abs().sum() / mask[sel].sum().clamp(min=1))
+        out[f"domain/{d}/samples"] = float(sel.sum())
+    return out
 
 
 class GroupUpdate:
@@ -52,6 +84,7 @@ class GroupUpdate:
         a = cfg.algorithm
         self.adv_entry = ADVANTAGE_ESTIMATORS.entry(a.advantage)
         self.normalizer = RunningRewardNormalizer() if a.reward_normalizer else None
+        self.domain_normalizers: dict[str, RunningRewardNormalizer] = {}  # data.domains: one per domain
         self.kl_ctrl = (
             AdaptiveKLController(a.kl.coef, target=a.kl.target, horizon=a.kl.horizon) if a.kl.target else None
         )
@@ -73,6 +106,7 @@ class GroupUpdate:
         mask = batch.response_mask
         group_ids = torch.arange(len(groups)).repeat_interleave(n)
         rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
+        task_rewards, domains = rewards, [p.domain for p, _, _ in groups for _ in range(n)]
         if cfg.reward.overlong_buffer:  # DAPO soft overlong punishment, added to the task reward
             pen = overlong_penalty(
                 torch.tensor([len(g.token_ids) for g in gens], dtype=torch.int64),
@@ -104,8 +138,7 @@ class GroupUpdate:
             if self.kl_ctrl is not None:  # this step's coefficient; the next from this step's KL
                 metrics["kl/coef"] = self.kl_ctrl.value
                 self.kl_ctrl.update(metrics["kl/rollout"], n_steps=len(rewards))
-        if self.normalizer is not None:
-            rewards = self.normalizer.normalize(rewards)
+        rewards = self._normalize(rewards, domains)
         if a.reward_clip:
             metrics["reward/clipped_frac"] = float((rewards.abs() > a.reward_clip).float().mean())
             rewards = clip_rewards(rewards, low=-a.reward_clip, high=a.reward_clip)
@@ -122,12 +155,34 @@ class GroupUpdate:
         adv = (adv[:, None] if adv.dim() == 1 else adv) * mask
         adv = self._shape_advantages(batch, gens, adv, metrics)
         metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
+        metrics.update(domain_metrics(domains, task_rewards, gens, adv, mask))
         if self.roles.offload:
             with timer("offload"):
                 self.roles.sleep_rollout()
         with timer("train"):
             metrics.update(self.roles.learner.update(batch, adv, ref_lp, seed=cfg.seed * 7919 + step))
         return metrics
+
+    def _normalize(self, rewards: torch.Tensor, domains: list[str]) -> torch.Tensor:
+        """``algorithm.reward_normalizer`` (running) then ``algorithm.batch_reward_norm`` of
+        ``rewards`` ``[B]``, each over the samples of one domain at a time (one domain, ``""``,
+        without ``data.domains``)."""
+        a = self.cfg.algorithm
+        if not (a.reward_normalizer or a.batch_reward_norm):
+            return rewards
+        out = rewards.clone()
+        for d in dict.fromkeys(domains):
+            sel = torch.tensor([x == d for x in domains], dtype=torch.bool)
+            r = rewards[sel]
+            if a.reward_normalizer:
+                if d:
+                    r = self.domain_normalizers.setdefault(d, RunningRewardNormalizer()).normalize(r)
+                else:
+                    r = self.normalizer.normalize(r)
+            if a.batch_reward_norm:
+                r = normalize_rewards(r, level="batch")
+            out[sel] = r
+        return out
 
     def _shape_advantages(
         self, batch: PackedBatch, gens: list[Any], adv: torch.Tensor, metrics: dict[str, float]
@@ -184,6 +239,8 @@ class GroupUpdate:
         }
         if self.kl_ctrl is not None:
             state["kl_ctrl"] = self.kl_ctrl.state_dict()
+        if self.domain_normalizers:
+            state["domain_normalizers"] = {d: z.state_dict() for d, z in self.domain_normalizers.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -191,3 +248,5 @@ class GroupUpdate:
             self.normalizer.load_state_dict(state["normalizer"])
         if self.kl_ctrl is not None and state.get("kl_ctrl") is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        for d, z in state.get("domain_normalizers", {}).items():
+            self.domain_normalizers.setdefault(d, RunningRewardNormalizer()).load_state_dict(z)
