@@ -68,24 +68,36 @@ def addition_domain(
     return addition_task(digits=digits, eval_size=eval_size, seed=seed)
 
 
+def _function_specs() -> list[tuple[str, str]]:
+    """``(description, Python expression in x)`` of the ``functions`` task."""
+    out = [(f"x + {b}", f"x + {b}") for b in range(1, 10)] + [(f"x - {b}", f"x - {b}") for b in range(1, 10)]
+    out += [(f"{a} * x", f"{a} * x") for a in range(2, 10)]
+    out += [(f"{a} * x {op} {b}", f"{a} * x {op} {b}") for a in range(2, 10) for b in range(1, 10) for op in "+-"]
+    out += [(f"x squared plus {b}", f"x * x + {b}") for b in range(1, 10)]
+    out += [(f"x squared minus {b}", f"x * x - {b}") for b in range(1, 10)]
+    out += [(f"the larger of x and {b}", f"max(x, {b})") for b in range(1, 10)]
+    out += [(f"the smaller of x and {b}", f"min(x, {b})") for b in range(1, 10)]
+    out += [(f"the absolute value of x minus {b}", f"abs(x - {b})") for b in range(1, 10)]
+    out += [(f"the remainder of x divided by {a}", f"x % {a}") for a in range(2, 10)]
+    out += [
+        (f"{a} if x is even, otherwise x + {b}", f"({a} if x % 2 == 0 else x + {b})")
+        for a in range(2, 10)
+        for b in range(1, 10)
+    ]
+    return out
+
+
 def functions_task(*, eval_size: int = 30, seed: int = 0) -> tuple[list[Prompt], list[Prompt]]:
-    """``(train, held_out)``: "Write a Python function f(x) that returns <expr>." for 179
-    expressions (``x + b``, ``x - b``, ``a * x``, ``a * x + b``, ``a * x - b``, ``x * x + b``
-    with ``a`` in 2..9, ``b`` in 1..9); the answer is a ``code`` problem whose ``check(f)``
-    asserts ``f(x) == expr`` for ``x`` in ``(-3, 0, 1, 2, 7)``."""
-    exprs = [f"x + {b}" for b in range(1, 10)] + [f"x - {b}" for b in range(1, 10)]
-    exprs += [f"{a} * x" for a in range(2, 10)] + [f"x * x + {b}" for b in range(1, 10)]
-    exprs += [f"{a} * x {op} {b}" for a in range(2, 10) for b in range(1, 10) for op in "+-"]
+    """``(train, held_out)``: "Write a Python function f(x) that returns <description>." for 295
+    functions of one integer (``a * x + b`` and its kin, ``x squared plus b``, the larger /
+    smaller of ``x`` and ``b``, ``abs(x - b)``, ``x % a``, "``a`` if x is even, otherwise
+    ``x + b``"; ``a`` in 2..9, ``b`` in 1..9); the answer is a ``code`` problem whose
+    ``check(f)`` asserts ``f(x)`` for ``x`` in ``(-3, 0, 1, 2, 7)``."""
     prompts = []
-    for e in exprs:
+    for words, e in _function_specs():
         tests = "def check(f):\n    for x in (-3, 0, 1, 2, 7):\n" + f"        assert f(x) == {e}, x\n"
-        problem = {
-            "format": CODE_FORMAT,
-            "problem_id": f"f(x)={e}",
-            "assert_tests": tests,
-            "entry_point": "f",
-        }
-        text = _user(f"Write a Python function f(x) that returns {e}.")
+        problem = {"format": CODE_FORMAT, "problem_id": f"f(x)={e}", "assert_tests": tests, "entry_point": "f"}
+        text = _user(f"Write a Python function f(x) that returns {words}.")
         prompts.append(Prompt(text, json.dumps(problem), "functions"))
     return _split(prompts, eval_size, seed, "the functions task")
 

@@ -23,7 +23,7 @@ from trainers.config import load_config, validate
 from trainers.data import Prompt
 from trainers.domains import DomainIterator, build_domain_prompts, choice_task, formats_task, functions_task
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
-from trainers.loops import SyncTrainer
+from trainers.loops import AsyncTrainer, SyncTrainer
 from trainers.models import char_tokenizer, tiny_qwen2
 from trainers.rewards import VERIFIERS, get_verifier
 from trainers.rewards.routing import DomainVerifier, domain_verifiers
@@ -97,11 +97,11 @@ def cfg_of(tmp_path, domains, *overrides):
     )
 
 
-def make(tmp_path, domains=TWO, *overrides):
+def make(tmp_path, domains=TWO, *overrides, cls=SyncTrainer):
     cfg = cfg_of(tmp_path, domains, *overrides)
     tok = char_tokenizer()
     model = tiny_qwen2(tok, seed=0)
-    return SyncTrainer(
+    return cls(
         cfg,
         rollout=HFRolloutEngine(copy.deepcopy(model), tok),
         train=TorchTrainEngine(model, lr=1e-3),
@@ -212,11 +212,11 @@ def test_domain_verifier_routes_each_record_to_its_domains_verifier(tmp_path):
 def test_builtin_tasks_are_checked_by_their_verifiers():
     code = get_verifier("code", timeout_s=10.0)
     train, held = functions_task(eval_size=3, seed=1)
-    p = train[0]
-    expr = p.text[0]["content"].split("returns ")[1].rstrip(".")
-    assert code(f"```python\ndef f(x):\n    return {expr}\n```", p) == 1.0
-    assert code(f"```python\ndef f(x):\n    return {expr} + 1\n```", p) == 0.0
-    assert len(train) + len(held) == 179 and not {q.answer for q in train} & {q.answer for q in held}
+    for p in train[::40]:  # 8 of the 292 train prompts
+        expr = json.loads(p.answer)["problem_id"].removeprefix("f(x)=")  # the reference expression
+        assert code(f"```python\ndef f(x):\n    return {expr}\n```", p) == 1.0, expr
+        assert code(f"```python\ndef f(x):\n    return {expr} + 1\n```", p) == 0.0, expr
+    assert len(train) + len(held) == 295 and not {q.answer for q in train} & {q.answer for q in held}
     mc = get_verifier("multiple_choice") if "multiple_choice" in VERIFIERS else None
     c_train, _ = choice_task(eval_size=5, seed=0)
     q = c_train[0]
@@ -338,3 +338,15 @@ def test_pass_at_k_per_domain(tmp_path):
         assert m[f"eval/domain/b/pass@{k}"] == m[f"eval/domain/b/mean@{k}"] == 0.0
         assert m[f"eval/pass@{k}"] == pytest.approx(6 / 10)  # 6 held-out prompts of a, 4 of b
     assert m["eval/domain/a/accuracy"] == 1.0 and m["eval/domain/b/accuracy"] == 0.0
+
+
+def test_async_trainer_draws_the_same_quotas(tmp_path):
+    overrides = ("asynchronous.enabled=true", "asynchronous.deterministic=true", "asynchronous.ratio=0")
+    tr = make(tmp_path, TWO, *overrides, cls=AsyncTrainer)
+    try:
+        m = tr.step()
+    finally:
+        tr.close()
+    # admitted one group at a time from the same stream of quotas: 3 groups of a, 1 of b
+    assert (m["domain/a/samples"], m["domain/b/samples"]) == (6.0, 2.0)
+    assert m["domain/a/reward"] == 1.0 and m["domain/b/reward"] == 0.0
