@@ -325,6 +325,8 @@ class RewardConfig:
     # llm_judge: "http://host:port" of a running `vllm serve` judge, asked through the server
     # client with a deadline ("": the judge model runs in this process / the reward workers)
     judge_url: str = ""
+    judge_timeout_s: float = 8.0  # served judge: deadline of each judgment (below reward.timeout_s)
+    judge_served_model: str = ""  # served judge: the model name on the server ("": its one base model)
     # reward_model: a sequence-classification checkpoint (num_labels=1, e.g. trained by
     # recipes/reward_model.py) whose scalar score of prompt + response is the reward
     rm_path: str = ""
@@ -347,7 +349,10 @@ class RewardConfig:
                 "max_tokens": self.judge_max_tokens,
                 "invalid_score": self.judge_invalid_score,
             }
-            return {**opts, "server_url": self.judge_url} if self.judge_url else opts
+            if not self.judge_url:
+                return opts
+            served = {"served_model": self.judge_served_model} if self.judge_served_model else {}
+            return {**opts, "server_url": self.judge_url, "timeout_s": self.judge_timeout_s, **served}
         if self.verifier == "reward_model":
             return {
                 "model_path": self.rm_path,
@@ -1282,6 +1287,7 @@ def validate(cfg: Config) -> None:
             ("reward.timeout_s", c.reward.timeout_s, ">0"),
             ("reward.idle_s", c.reward.idle_s, ">0"),
             ("reward.cpus_per_worker", c.reward.cpus_per_worker, ">=0"),
+            ("reward.judge_timeout_s", c.reward.judge_timeout_s, ">0"),
             ("placement.rollout_workers", c.placement.rollout_workers, "int>=1"),
             ("placement.train_workers", c.placement.train_workers, "int>=1"),
             ("placement.cpus_per_worker", c.placement.cpus_per_worker, ">0"),

@@ -9,6 +9,10 @@ nothing after it, in range, not truncated), so a malformed judgment never become
 accident; each rejection is counted by reason (:data:`INVALID_REASONS`). The rules, the
 template fields and measurements: ``docs/rewards-workers.md`` (LLM-as-a-judge rewards).
 
+The judge runs in process (an engine, or a model built on first use) or is served: with
+``server_url`` every judgment is a request to a running ``vllm serve`` through rollkit's
+:class:`~trainers.engines.vllm_server.ServerClient`, with a deadline (``timeout_s``).
+
 >>> parse_judgment("The response matches the reference.\\nScore: 8")
 Judgment(score=8.0, reason='ok')
 >>> parse_judgment("Score: 8\\nScore: 9").reason, parse_judgment("Score: 11").reason
@@ -23,16 +27,19 @@ import re
 import string
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from trainers.data import Prompt, has_chat_template
 from trainers.engines.base import SamplingParams
 from trainers.engines.hf_rollout import HFRolloutEngine
+from trainers.engines.vllm_server import ServerClient, ServerError
 from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
 
 __all__ = [
     "DEFAULT_TEMPLATE",
+    "DEFAULT_TIMEOUT_S",
     "INVALID_REASONS",
     "TEMPLATE_FIELDS",
     "JudgeReward",
@@ -70,6 +77,12 @@ INVALID_REASONS = (
     "out_of_range",
     "truncated",
 )
+
+#: a served judge's deadline per request when ``timeout_s`` is not given: under the reward
+#: pool's default ``reward.timeout_s`` (10 s), so the judge's error comes before the pool's timeout
+DEFAULT_TIMEOUT_S = 8.0
+#: the most judge requests of one :meth:`JudgeReward.score_batch` in flight at once (served judge)
+MAX_CONCURRENT_REQUESTS = 16
 
 _MARKER = re.compile(r"\bscore\s*:", re.IGNORECASE | re.ASCII)  # ASCII: no 'ſcore', no Unicode digits
 _NUMBER = re.compile(r"[ \t]*([+-]?[0-9]+(?:\.[0-9]+)?)")
@@ -153,6 +166,22 @@ def _check_template(template: str) -> None:
         raise ValueError("template: must contain the {response} field")
 
 
+def _check_served(
+    server_url: Any, engine: Any, tokenizer: Any, model: Any, device: Any, max_batch_size: Any
+) -> None:
+    """A served judge's settings: an http(s) address and nothing that builds a local judge."""
+    if not isinstance(server_url, str) or not server_url.startswith(("http://", "https://")):
+        raise ValueError(f"server_url must look like http://host:port, got {server_url!r}")
+    given = {"engine": engine is not None, "tokenizer": tokenizer is not None, "device": device != "cpu"}
+    given["max_batch_size"] = max_batch_size is not None
+    for field in (f for f, g in given.items() if g):
+        raise ValueError(f"{field}: not used by a served judge (server_url is set): leave it out")
+    if model not in (None, ""):
+        raise ValueError(
+            f"judge_model: {model!r} contradicts server_url (the served model is the judge): leave it empty"
+        )
+
+
 def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
@@ -183,6 +212,27 @@ class JudgeReward:
         chat_template: ``"auto"`` (the tokenizer's chat template, one user message, when it
             has one), ``"on"`` or ``"off"`` (the plain prompt text).
         device, max_batch_size: for the engine built from ``model``.
+        server_url: ``"http://host:port"`` of a running ``vllm serve``: the served model is the
+            judge. Each judgment is one request through
+            :class:`~trainers.engines.vllm_server.ServerClient` (greedy, ``max_tokens``, at most
+            ``timeout_s`` per request; a batch's requests run concurrently), the same judge
+            prompt and :func:`parse_judgment`, the same counters. The server tokenizes and
+            applies its own chat template: ``chat_template`` ``"on"`` asks
+            ``/v1/chat/completions`` (one user message), ``"off"`` ``/v1/completions`` (the
+            plain text, no special tokens added, as in process), ``"auto"`` the chat endpoint
+            until the server answers that its model has no chat template, then the plain one.
+            A timeout, an unreachable server or an error answer raises
+            :class:`~trainers.engines.vllm_server.ServerError` naming the URL (in a
+            :class:`~trainers.rewards.RewardPool` the sample scores 0 and counts as an error).
+            Nothing is built locally, so ``model`` must be ``None`` or ``""`` (the config's
+            default, ``reward.judge_model``), and ``engine``, ``tokenizer``, ``device`` and
+            ``max_batch_size`` must be left out. The judge pickles as plain settings (no open
+            connection), so process and Ray pools' workers each ask the server.
+        served_model: the model name sent to the server (``--served-model-name``); default the
+            one base model its ``GET /v1/models`` lists (asked once). Only with ``server_url``.
+        timeout_s: the deadline of each request to the server, a number > 0 (default
+            :data:`DEFAULT_TIMEOUT_S`, under the reward pool's default ``timeout_s``). Only
+            with ``server_url``.
 
     :meth:`metrics` counts, over this object's life in this process: ``judged``, ``valid``,
     ``invalid`` and ``invalid/<reason>`` for each of :data:`INVALID_REASONS` (in a process or
@@ -213,9 +263,29 @@ class JudgeReward:
         chat_template: str = "auto",
         device: str = "cpu",
         max_batch_size: int | None = None,
+        server_url: str | None = None,
+        served_model: str | None = None,
+        timeout_s: float | None = None,
     ) -> None:
-        if (engine is None) == (model is None):
-            raise ValueError("give a judge engine or a judge model (a path, '' or 'tiny'), exactly one")
+        if server_url is not None:
+            _check_served(server_url, engine, tokenizer, model, device, max_batch_size)
+            model = None  # "" (the config's default judge_model) is no local model here
+        elif served_model is not None or timeout_s is not None:
+            field = "served_model" if served_model is not None else "timeout_s"
+            raise ValueError(f"{field}: only for a served judge (give server_url)")
+        elif (engine is None) == (model is None):
+            raise ValueError(
+                "give a judge engine, a judge model (a path, '' or 'tiny') or a server_url, exactly one"
+            )
+        if served_model is not None and (not isinstance(served_model, str) or not served_model):
+            raise ValueError(f"served_model must be a non-empty str, got {served_model!r}")
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s)
+            or timeout_s <= 0
+        ):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
         if engine is not None and not callable(getattr(engine, "generate", None)):
             raise TypeError(
                 f"engine must have a generate(prompts, params) method, got {type(engine).__name__}"
@@ -247,6 +317,10 @@ class JudgeReward:
         self.max_tokens = max_tokens
         self.chat_template = chat_template
         self.device, self.max_batch_size = device, max_batch_size
+        self.server_url = None if server_url is None else server_url.rstrip("/")
+        self.served_model = served_model
+        self.timeout_s = None if server_url is None else float(timeout_s or DEFAULT_TIMEOUT_S)
+        self._served_chat: bool | None = None  # "auto": does the server's model have a chat template
         self._lock = threading.Lock()
         self._counts = collections.Counter[str]()
         self.recent_invalid: collections.deque[tuple[str, str]] = collections.deque(maxlen=20)
@@ -256,8 +330,11 @@ class JudgeReward:
 
     def setup(self) -> None:
         """Build the judge engine (with ``model``); a :class:`~trainers.rewards.RewardPool`
-        worker calls it once before its first sample."""
-        self._ensure_engine()
+        worker calls it once before its first sample; a served judge has nothing to build (the
+        server is first asked at the first judgment, so a server that is down fails samples,
+        not the worker's start)."""
+        if self.server_url is None:
+            self._ensure_engine()
 
     def _ensure_engine(self) -> tuple[Any, Any]:
         if self.engine is None:
@@ -309,7 +386,8 @@ class JudgeReward:
 
     def score_batch(self, completions: Sequence[str], prompts: Sequence[Prompt]) -> list[float]:
         """Rewards of ``completions[i]`` for ``prompts[i]``; every judge prompt goes to the engine
-        in one ``generate`` call (greedy, ``max_tokens``)."""
+        in one ``generate`` call (greedy, ``max_tokens``), or to the server as one request each
+        (at most :data:`MAX_CONCURRENT_REQUESTS` at once)."""
         if len(completions) != len(prompts):
             raise ValueError(f"prompts: {len(prompts)} prompts for {len(completions)} completions")
         for c in completions:
@@ -317,17 +395,24 @@ class JudgeReward:
                 raise TypeError(f"completions must be str, got {type(c).__name__}")
         if not completions:
             return []
-        engine, tok = self._ensure_engine()
         texts = [self.judge_prompt(c, p) for c, p in zip(completions, prompts)]
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, seed=0)
-        gens = sorted(engine.generate([self._encode(t) for t in texts], params), key=lambda g: g.prompt_index)
-        if len(gens) != len(texts):
-            raise RuntimeError(f"the judge engine returned {len(gens)} judgments for {len(texts)} prompts")
+        if self.server_url is not None:
+            answers = self._ask_server(texts)
+        else:
+            engine, tok = self._ensure_engine()
+            params = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, seed=0)
+            gens = sorted(
+                engine.generate([self._encode(t) for t in texts], params), key=lambda g: g.prompt_index
+            )
+            if len(gens) != len(texts):
+                raise RuntimeError(
+                    f"the judge engine returned {len(gens)} judgments for {len(texts)} prompts"
+                )
+            answers = [(tok.decode(g.token_ids, skip_special_tokens=True), g.finish_reason) for g in gens]
         out, last = [], []
-        for text, g in zip(texts, gens):
-            judgment = tok.decode(g.token_ids, skip_special_tokens=True)
+        for text, (judgment, finish_reason) in zip(texts, answers):
             j = parse_judgment(judgment, min_score=self.min_score, max_score=self.max_score)
-            if g.finish_reason == "length":
+            if finish_reason == "length":
                 j = Judgment(None, "truncated")
             last.append((text, judgment, j))
             if j.score is None:
@@ -345,6 +430,82 @@ class JudgeReward:
                     self._counts[f"invalid/{j.reason}"] += 1
                     self.recent_invalid.append((j.reason, judgment))
         return out
+
+    # ------------------------------------------------------------------ served judge
+
+    def _client(self) -> ServerClient:
+        return ServerClient(self.server_url, timeout_s=self.timeout_s)  # no connection held
+
+    def served_model_name(self) -> str:
+        """The model name the requests carry: ``served_model``, else the one base model the
+        server's ``GET /v1/models`` lists (asked once, then remembered)."""
+        if self.served_model is None:
+            try:
+                cards = self._client().models()
+            except ServerError as e:
+                raise ServerError(f"llm judge: {e} (timeout_s={self.timeout_s:g})", e.status) from None
+            names = [str(c.get("id")) for c in cards if isinstance(c, dict) and not c.get("parent")]
+            if len(names) != 1:
+                raise ServerError(
+                    f"llm judge: server {self.server_url} serves {names or 'no models'}; "
+                    "name the judge with served_model"
+                )
+            self.served_model = names[0]
+        return self.served_model
+
+    def _ask_server(self, texts: list[str]) -> list[tuple[str, str | None]]:
+        """``(judgment, finish_reason)`` of each judge prompt, one request each, concurrently."""
+        self.served_model_name()
+        head: list[tuple[str, str | None]] = []
+        if self.chat_template == "auto" and self._served_chat is None:
+            head, texts = [self._ask_one(texts[0])], texts[1:]  # learns which endpoint serves
+        if len(texts) <= 1:
+            return head + [self._ask_one(t) for t in texts]
+        pool = ThreadPoolExecutor(min(len(texts), MAX_CONCURRENT_REQUESTS), thread_name_prefix="llm-judge")
+        try:
+            futures = [pool.submit(self._ask_one, t) for t in texts]
+            return head + [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _ask_one(self, text: str) -> tuple[str, str | None]:
+        """One judge prompt's ``(judgment, finish_reason)`` from the server."""
+        common = {
+            "model": self.served_model_name(),
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "n": 1,
+            "skip_special_tokens": True,
+        }
+        chat = self.chat_template == "on" or (self.chat_template == "auto" and self._served_chat is not False)
+        if chat:
+            try:
+                choice = self._post(
+                    "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
+                )
+            except ServerError as e:
+                if self.chat_template == "on" or e.status != 400 or "chat template" not in str(e).lower():
+                    raise
+                self._served_chat = False  # the served model has no chat template: plain prompts from now on
+            else:
+                self._served_chat = True
+                message = choice.get("message") or {}
+                return str(message.get("content") or ""), choice.get("finish_reason")
+        choice = self._post("/v1/completions", {**common, "prompt": text, "add_special_tokens": False})
+        return str(choice.get("text") or ""), choice.get("finish_reason")
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The first choice of one request, within ``timeout_s``; errors name the server."""
+        try:
+            answer = self._client().post(path, body)
+        except ServerError as e:
+            raise ServerError(f"llm judge: {e} (timeout_s={self.timeout_s:g})", e.status) from None
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not choices or not isinstance(choices[0], dict):
+            raise ServerError(
+                f"llm judge: server {self.server_url}: POST {path} answered no choices: {str(answer)[:200]}"
+            )
+        return choices[0]
 
     def __call__(self, completion: str, prompt: Prompt) -> float:
         """The reward of one sample (one judge call); a verifier for a RewardPool."""
