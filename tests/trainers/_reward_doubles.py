@@ -48,3 +48,25 @@ class FailingSetup:
 
     def __call__(self, completion, prompt):
         return 1.0
+
+
+class BatchScripted:
+    """A verifier with ``score_batch`` (the pool hands it batches of up to 3): each sample scores
+    ``len(completion)``; ``sleep`` in a batch makes it take 6 s, ``exit`` kills the process.
+    ``setup`` takes 0.5 s, so samples submitted right after a worker starts queue up into one
+    batch."""
+
+    batch_size = 3
+
+    def setup(self):
+        time.sleep(0.5)
+
+    def score_batch(self, completions, prompts):
+        if "exit" in completions:
+            os._exit(3)
+        if "sleep" in completions:
+            time.sleep(6)
+        return [float(len(c)) for c in completions]
+
+    def __call__(self, completion, prompt):
+        return self.score_batch([completion], [prompt])[0]

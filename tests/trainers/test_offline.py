@@ -156,7 +156,7 @@ def test_bad_files_give_one_line_errors(tmp_path, content, loader, message):
 
 def test_bad_config_and_missing_file_name_the_field(records):
     with pytest.raises(
-        ValueError, match=r"^offline.loss must be one of sft, dpo, ipo, simpo, orpo, got 'kto'$"
+        ValueError, match=r"^offline.loss must be one of sft, dpo, ipo, simpo, orpo, rm, got 'kto'$"
     ):
         make(records, "kto")
     cfg = load_config(

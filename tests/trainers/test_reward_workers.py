@@ -41,9 +41,17 @@ def test_get_verifier():
     assert get_verifier("exact_match") is exact_match
     assert isinstance(get_verifier("math_verify"), MathVerifier)
     assert get_verifier(doubles.scripted) is doubles.scripted
-    assert set(VERIFIERS) == {"exact_match", "math_verify", "llm_judge", "code"}
+    assert set(VERIFIERS) == {
+        "exact_match",
+        "math_verify",
+        "llm_judge",
+        "code",
+        "reward_model",
+        "ifeval",
+        "multiple_choice",
+    }
     with pytest.raises(
-        UnknownNameError, match=r"verifier: unknown name 'nope'; known: code, exact_match, llm_judge"
+        UnknownNameError, match=r"verifier: unknown name 'nope'; known: code, exact_match, ifeval, llm_judge"
     ):
         get_verifier("nope")
     with pytest.raises(TypeError, match="verifier must be a name"):

@@ -1,5 +1,5 @@
 """Offline SFT and preference training (DPO, IPO, SimPO, ORPO) over a JSONL / Parquet file,
-through the same training engines as the RL loops.
+through the same training engines as the RL loops, and reward-model training on the same pairs.
 
 :class:`OfflineTrainer` takes ``offline.batch_size`` examples (or pairs) per optimizer step, in
 micro-batches of ``train.micro_batch_size`` examples (pairs), each loss aggregated with rollkit's
@@ -8,6 +8,14 @@ DPO and IPO score the pairs with a frozen reference engine too (a copy of the in
 unless one is given); SimPO and ORPO need none. Metrics carry TRL's names (``loss``,
 ``rewards/chosen``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``grad_norm``,
 ``learning_rate``). Guide: ``docs/offline.md``.
+
+``offline.loss=rm`` trains a **reward model** instead of a policy: the checkpoint with a scalar
+head (``AutoModelForSequenceClassification``, ``num_labels=1``; :func:`build_reward_model`)
+scores the chosen and rejected responses of each pair, and
+:func:`rollkit.losses.bradley_terry` (``-log sigma(r_chosen - r_rejected)``) is the loss;
+``eval/accuracy`` is the share of held-out pairs with ``r(chosen) > r(rejected)``. The saved
+model is what :class:`~trainers.rewards.RewardModelVerifier` loads
+(``reward.verifier=reward_model reward.rm_path=...``); guide: ``docs/rewards-workers.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from rollkit.losses import (
     aggregate,
     aggregate_pairs,
+    bradley_terry,
     dpo,
     global_normalizers,
     ipo,
@@ -37,9 +46,16 @@ from rollkit.types import LossOutput
 from trainers.config import CheckpointConfig, EvalConfig, LoggingConfig, ModelConfig, TrainConfig
 from trainers.data import Prompt, PromptIterator, encode_prompt
 from trainers.data_pairs import Example, Pair, load_examples, load_pairs
+from trainers.deps import require
 from trainers.engines.base import PackedBatch, TrainEngine, pack
-from trainers.engines.build import build_model, make_train_engine
+from trainers.engines.build import build_model, make_train_engine, parse_dtype
 from trainers.loops.common import read_checkpoint, run_fit, write_checkpoint
+from trainers.rewards.reward_model import (
+    encode_reward_input,
+    is_reward_checkpoint,
+    reward_model_from_lm,
+    reward_scores,
+)
 
 __all__ = [
     "OFFLINE_LOSSES",
@@ -47,14 +63,18 @@ __all__ = [
     "OfflineConfig",
     "OfflineDataConfig",
     "OfflineTrainer",
+    "build_reward_model",
     "frozen_copy",
     "load_offline_data",
     "preference_loss",
     "validate_offline",
 ]
 
-#: ``offline.loss`` choices: supervised NLL, or a preference loss of rollkit.losses.preference
-OFFLINE_LOSSES = ("sft", "dpo", "ipo", "simpo", "orpo")
+#: ``offline.loss`` choices: supervised NLL, a preference loss of rollkit.losses.preference, or
+#: ``rm``: a reward model trained with the Bradley-Terry loss
+OFFLINE_LOSSES = ("sft", "dpo", "ipo", "simpo", "orpo", "rm")
+#: the losses that train the policy on pairs
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
 #: the preference losses that need a reference policy
 REFERENCE_LOSSES = ("dpo", "ipo")
 
@@ -74,8 +94,9 @@ class OfflineDataConfig:
 
 @dataclass
 class OfflineAlgorithmConfig:
-    """The loss: ``sft`` (token NLL, ``aggregation``) or ``dpo`` / ``ipo`` / ``simpo`` / ``orpo``
-    (mean over pairs). ``batch_size`` examples or pairs per optimizer step."""
+    """The loss: ``sft`` (token NLL, ``aggregation``), ``dpo`` / ``ipo`` / ``simpo`` / ``orpo``
+    (mean over pairs), or ``rm`` (a reward model, Bradley-Terry loss, mean over pairs).
+    ``batch_size`` examples or pairs per optimizer step."""
 
     loss: str = "sft"
     batch_size: int = 16
@@ -132,6 +153,10 @@ def validate_offline(cfg: OfflineConfig) -> None:
         raise ValueError(f"offline.beta must be > 0, got {o.beta}")
     if cfg.data.eval_size < 0:
         raise ValueError(f"data.eval_size must be >= 0, got {cfg.data.eval_size}")
+    if o.loss == "rm" and t.engine != "torch":
+        raise ValueError(f"train.engine: offline.loss=rm trains with the torch engine, got {t.engine!r}")
+    if o.loss == "rm" and t.lora_rank:
+        raise ValueError("train.lora_rank: offline.loss=rm trains every weight (set train.lora_rank=0)")
 
 
 def load_offline_data(cfg: OfflineConfig) -> tuple[list[Any], list[Any]]:
@@ -193,8 +218,35 @@ def preference_loss(
     if name == "orpo":
         return orpo(chosen, rejected, chosen_len, rejected_len, beta=o.beta, nll_weight=o.nll_weight)
     raise ValueError(
-        f"offline.loss: {name!r} is not a preference loss; known: {', '.join(OFFLINE_LOSSES[1:])}"
+        f"offline.loss: {name!r} is not a preference loss; known: {', '.join(PREFERENCE_LOSSES)}"
     )
+
+
+def build_reward_model(cfg: OfflineConfig, *, model: Any = None, tokenizer: Any = None) -> tuple[Any, Any]:
+    """``(reward model, tokenizer)`` for ``offline.loss=rm``: ``model`` (a causal LM, with
+    ``tokenizer``) or ``cfg.model``'s checkpoint with a new scalar head (a ``num_labels=1``
+    ``AutoModelForSequenceClassification`` over its backbone, the head initialised from
+    ``cfg.seed``, ``pad_token_id`` set: the tokenizer's pad token, else EOS); a
+    sequence-classification checkpoint (a reward model trained before) loads with its head."""
+    path = cfg.model.path
+    if model is None and path not in ("", "tiny") and is_reward_checkpoint(path):
+        transformers = require("transformers")
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=parse_dtype(cfg.model.dtype)
+        )
+        if model.config.num_labels != 1:
+            raise ValueError(
+                f"model.path: {path} scores {model.config.num_labels} labels; a reward model has 1"
+            )
+        return model, transformers.AutoTokenizer.from_pretrained(path)
+    if model is None:
+        model, tokenizer = build_model(cfg)
+    if tokenizer is None:
+        raise ValueError("tokenizer: required with model")
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        return model, tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return reward_model_from_lm(model, pad, seed=cfg.seed), tokenizer
 
 
 class _Sums:
@@ -220,7 +272,8 @@ class OfflineTrainer:
         cfg: the configuration.
         train, tokenizer: a TrainEngine and its tokenizer (default: built from ``cfg.model`` /
             ``cfg.train``, or over ``model``).
-        model: the initial policy (with ``tokenizer``) instead of ``cfg.model``.
+        model: the initial policy (with ``tokenizer``) instead of ``cfg.model``; with
+            ``offline.loss=rm`` a causal LM (a scalar head is put on it) or a reward model.
         reference: the frozen reference (anything with the TrainEngine ``logprobs``) for DPO /
             IPO; default: :func:`frozen_copy` of the initial policy.
         train_data, eval_data: lists of :class:`~trainers.data_pairs.Example` (SFT) or
@@ -250,7 +303,9 @@ class OfflineTrainer:
         if not train_data:
             raise ValueError("train_data: empty")
         if train is None:
-            if model is None:
+            if self.loss_name == "rm":
+                model, tokenizer = build_reward_model(cfg, model=model, tokenizer=tokenizer)
+            elif model is None:
                 model, tokenizer = build_model(cfg)
             train = make_train_engine(cfg, model, device=cfg.train.device)
         if tokenizer is None:
@@ -275,8 +330,10 @@ class OfflineTrainer:
 
     def encode(self, records: list[Any]) -> list[tuple[list[int], ...]]:
         """Token ids per record: ``(prompt, completion)`` for SFT, ``(prompt, chosen, rejected)``
-        for pairs; each completion ends with EOS."""
-        out = []
+        for pairs, each completion ending with EOS; ``offline.loss=rm``: ``(chosen, rejected)``,
+        each the whole conversation the reward model scores
+        (:func:`~trainers.rewards.reward_model.encode_reward_input`)."""
+        out: list[tuple[list[int], ...]] = []
         for i, r in enumerate(records):
             sft = self.loss_name == "sft"
             if not isinstance(r, Example if sft else Pair):
@@ -284,6 +341,9 @@ class OfflineTrainer:
                 raise ValueError(
                     f"data: record {i} is a {type(r).__name__}, offline.loss={self.loss_name} needs {want}"
                 )
+            if self.loss_name == "rm":
+                out.append(tuple(encode_reward_input(self.tok, r.prompt, c) for c in (r.chosen, r.rejected)))
+                continue
             prompt = encode_prompt(self.tok, Prompt(r.prompt, ""), self.cfg.data.chat_template)
             if sft:
                 out.append((prompt, self._ids(r.completion)))
@@ -351,14 +411,44 @@ class OfflineTrainer:
             sums.add({**out.metrics, "policy/prefers_chosen": prefers}, k)
         return {"loss": total, **sums.means()}
 
+    def reward_model_batch(self, enc: list[tuple[list[int], ...]], *, backward: bool) -> dict[str, float]:
+        """``offline.loss=rm``: the Bradley-Terry loss of the pairs ``enc``; each micro-batch
+        scores its chosen and rejected conversations in one forward of the reward model, the
+        per-pair losses averaged with the global pair count (:func:`aggregate_pairs`)."""
+        norms = global_normalizers(torch.ones(len(enc), 1, dtype=torch.bool))
+        model, pad = self.train.model, self.train.model.config.pad_token_id
+        sums, total = _Sums(), 0.0
+        for rows in self._micro_rows(len(enc)):
+            part = [enc[i] for i in rows]
+            k = len(part)
+            with torch.set_grad_enabled(backward):
+                r = reward_scores(
+                    model,
+                    [e[0] for e in part] + [e[1] for e in part],
+                    pad,
+                    device=self.train.device,
+                    autocast=getattr(self.train, "autocast", None),
+                )
+                out = bradley_terry(r[:k], r[k:])
+                loss = aggregate_pairs(out.loss, num_pairs=norms["num_seqs"], dp_size=norms["dp_size"])
+            if backward:
+                self.train.backward(loss)
+            total += float(loss.detach())
+            sums.add(out.metrics, k)
+        return {"loss": total, **sums.means()}
+
+    def _batch_fn(self) -> Any:
+        if self.loss_name == "sft":
+            return self.sft_batch
+        return self.reward_model_batch if self.loss_name == "rm" else self.preference_batch
+
     # ------------------------------------------------------------------ loop
 
     def step(self) -> dict[str, float]:
         """One optimizer step on the next ``offline.batch_size`` records; returns its metrics."""
         rows = self.iterator.next_batch(self.cfg.offline.batch_size)
         enc = [self._train_enc[i] for i in rows]
-        run = self.sft_batch if self.loss_name == "sft" else self.preference_batch
-        metrics = run(enc, backward=True)
+        metrics = self._batch_fn()(enc, backward=True)
         optim = self.train.step()
         metrics["grad_norm"] = float(optim.get("grad_norm", float("nan")))
         metrics["learning_rate"] = float(optim.get("lr", float("nan")))
@@ -370,14 +460,17 @@ class OfflineTrainer:
     def evaluate(self, records: list[Any] | None = None) -> dict[str, float]:
         """The loss and metrics on ``records`` (default: the held-out ones), as ``eval/*``
         (no gradient). Preference losses: ``eval/accuracy`` is the share of pairs whose
-        chosen response has the higher sequence log-prob under the policy."""
+        chosen response has the higher sequence log-prob under the policy; ``rm``: the share
+        whose chosen response the reward model scores higher (preference accuracy)."""
         enc = self._eval_enc if records is None else self.encode(records)
         if not enc:
             return {}
-        m = (self.sft_batch if self.loss_name == "sft" else self.preference_batch)(enc, backward=False)
+        m = self._batch_fn()(enc, backward=False)
         out = {f"eval/{k}": v for k, v in m.items()}
         if "eval/policy/prefers_chosen" in out:
             out["eval/accuracy"] = out.pop("eval/policy/prefers_chosen")
+        if self.loss_name == "rm":
+            out["eval/accuracy"] = out["eval/rewards/accuracies"]
         return out
 
     def fit(self, steps: int | None = None) -> dict[str, Any]:
@@ -385,7 +478,8 @@ class OfflineTrainer:
         return run_fit(self, steps, line=_progress)
 
     def save_model(self, path: str | Path) -> Path:
-        """The trained policy and tokenizer as a Hugging Face model directory."""
+        """The trained policy (``rm``: the reward model) and tokenizer as a Hugging Face model
+        directory."""
         return self.train.save_model(path, self.tok)
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,7 +8,9 @@ processes or on Ray actors, and :func:`rollout_and_score` (streaming generation 
 
 A verifier that raises, returns a non-finite number or runs past ``timeout_s`` scores ``0.0``
 and is counted; a worker that dies mid-sample is replaced and the sample is retried on a fresh
-worker (``max_retries``); a key is never lost. Guide: ``docs/rewards-workers.md``.
+worker (``max_retries``); a key is never lost. A verifier with a ``score_batch(completions,
+prompts)`` method (the reward model) is handed up to ``batch_size`` samples per call.
+Guide: ``docs/rewards-workers.md``.
 
 >>> pool = RewardPool("exact_match", backend="inline")
 >>> pool.submit("a", "12+34=46", Prompt("12+34=", "46"))
@@ -66,11 +68,40 @@ def _run_verifier(verifier: Verifier, completion: str, prompt: Prompt) -> tuple[
         return "error", 0.0, time.perf_counter() - t0, f"{type(e).__name__}: {e}"
 
 
+def _score_items(
+    verifier: Verifier, completions: Sequence[str], prompts: Sequence[Prompt]
+) -> list[tuple[str, float, float, str]]:
+    """``_run_verifier``'s result per sample. Several samples and a verifier with ``score_batch``:
+    one ``score_batch`` call, its time split evenly among them (a non-finite reward is that
+    sample's error); if the call raises, each sample is scored alone, so errors stay per sample."""
+    n = len(completions)
+    score_batch = getattr(verifier, "score_batch", None)
+    if n == 1 or not callable(score_batch):
+        return [_run_verifier(verifier, c, p) for c, p in zip(completions, prompts)]
+    t0 = time.perf_counter()
+    try:
+        rewards = [float(r) for r in score_batch(list(completions), list(prompts))]
+        if len(rewards) != n:
+            raise ValueError(f"score_batch returned {len(rewards)} rewards for {n} samples")
+    except Exception:  # one at a time: the sample that fails scores 0, the others their reward
+        lost = (time.perf_counter() - t0) / n
+        alone = [_run_verifier(verifier, c, p) for c, p in zip(completions, prompts)]
+        return [(st, r, dt + lost, err) for st, r, dt, err in alone]
+    share = (time.perf_counter() - t0) / n
+    return [
+        ("ok", r, share, "")
+        if math.isfinite(r)
+        else ("error", 0.0, share, f"the verifier returned a non-finite reward {r}")
+        for r in rewards
+    ]
+
+
 # --------------------------------------------------------------------------- worker side
 
 
 def _process_worker_main(conn: mpc.Connection, verifier_bytes: bytes) -> None:
-    """A process-backend worker: set up, then score one sample per message, in the main thread."""
+    """A process-backend worker: set up, then score one batch of samples (often one) per
+    message, in the main thread."""
     mark_pool_worker()
     try:
         verifier = pickle.loads(verifier_bytes)
@@ -88,8 +119,8 @@ def _process_worker_main(conn: mpc.Connection, verifier_bytes: bytes) -> None:
             return
         if msg is None:
             return
-        task_id, completion, prompt = msg
-        conn.send(("result", task_id, *_run_verifier(verifier, completion, prompt)))
+        task_ids, completions, prompts = msg
+        conn.send(("result", task_ids, _score_items(verifier, completions, prompts)))
 
 
 class _RayRewardWorker:
@@ -108,6 +139,11 @@ class _RayRewardWorker:
 
     def score(self, completion: str, prompt: Prompt) -> tuple[str, float, float, str]:
         return _run_verifier(self.verifier, completion, prompt)
+
+    def score_many(
+        self, completions: list[str], prompts: list[Prompt]
+    ) -> list[tuple[str, float, float, str]]:
+        return _score_items(self.verifier, completions, prompts)
 
     def pid(self) -> int:
         return os.getpid()
@@ -164,12 +200,19 @@ class _Ledger:
             self.queue.append(task_id)
         return task_id
 
-    def take(self) -> tuple[int, _Task] | None:
-        """The next sample to dispatch (lock held by the caller), or None."""
-        if not self.queue:
-            return None
-        task_id = self.queue.popleft()
-        return task_id, self.tasks[task_id]
+    def take(self, limit: int = 1) -> list[tuple[int, _Task]]:
+        """The next samples to dispatch together, up to ``limit`` in queue order (lock held by the
+        caller; ``[]`` if none). A sample retried after a crash goes alone, so the sample that
+        kills its worker cannot take a batch of others down with it again."""
+        out: list[tuple[int, _Task]] = []
+        while self.queue and len(out) < limit:
+            task = self.tasks[self.queue[0]]
+            if task.attempts and out:
+                break
+            out.append((self.queue.popleft(), task))
+            if task.attempts:
+                break
+        return out
 
     def record(self, task_id: int, status: str, reward: float, busy: float, err: str) -> None:
         """A sample's final score (lock held by the caller); failures score 0.0 and are counted."""
@@ -185,22 +228,26 @@ class _Ledger:
             self.recent_errors.append(f"{status} on key {task.key!r}: {err}")
         self.cond.notify_all()
 
-    def crashed(self, task_id: int, busy: float, err: str) -> None:
-        """The worker scoring ``task_id`` died (lock held by the caller): count the crash and
-        queue the sample again (first in line) unless it has used its ``max_retries``."""
-        task = self.tasks.get(task_id)
-        if task is None:
+    def crashed(self, task_ids: Sequence[int], busy: float, err: str) -> None:
+        """The worker scoring the batch ``task_ids`` died (lock held by the caller): count the
+        crash once and queue each sample again (first in line, in order) unless it has used its
+        ``max_retries``; ``busy`` is split evenly among them."""
+        live = [t for t in task_ids if t in self.tasks]
+        if not live:
             return
         self.counts["crashes"] += 1
-        task.attempts += 1
-        if task.attempts > self.max_retries:
-            self.record(task_id, "crash", 0.0, busy, f"{err} ({task.attempts} attempts)")
-            return
-        self.busy_s += busy
-        self.busy_by_domain[getattr(task.prompt, "domain", "")] += busy
-        self.counts["retries"] += 1
-        self.recent_errors.append(f"crash on key {task.key!r}: {err}; retrying on a fresh worker")
-        self.queue.appendleft(task_id)
+        share = busy / len(live)
+        for task_id in reversed(live):  # appendleft in reverse: the batch keeps its order
+            task = self.tasks[task_id]
+            task.attempts += 1
+            if task.attempts > self.max_retries:
+                self.record(task_id, "crash", 0.0, share, f"{err} ({task.attempts} attempts)")
+                continue
+            self.busy_s += share
+            self.busy_by_domain[getattr(task.prompt, "domain", "")] += share
+            self.counts["retries"] += 1
+            self.recent_errors.append(f"crash on key {task.key!r}: {err}; retrying on a fresh worker")
+            self.queue.appendleft(task_id)
 
     def startup_failed(self, why: str, max_workers: int) -> None:
         """A worker could not start (lock held by the caller); gives up after ``3 * max_workers``."""
@@ -223,7 +270,7 @@ class _Slot:
     ready_ref: Any = None  # ray backend: the ready() call in flight
     ready: bool = False
     setup_error: str = ""
-    task: tuple[int, float] | None = None  # (task id, dispatch time)
+    task: tuple[tuple[int, ...], float] | None = None  # (task ids of the batch, dispatch time)
     ref: Any = None  # ray backend: the score() call in flight
     idle_since: float = 0.0  # perf_counter when it became ready or finished its last sample
 
@@ -234,6 +281,7 @@ class _Sizing:
     max_workers: int
     idle_s: float
     timeout_s: float
+    batch_size: int = 1
 
 
 class _Workers:
@@ -255,7 +303,7 @@ class _Workers:
     def _stop_slot(self, s: _Slot, *, graceful: bool) -> None:
         raise NotImplementedError
 
-    def _send(self, s: _Slot, task_id: int, task: _Task) -> None:
+    def _send(self, s: _Slot, batch: list[tuple[int, _Task]]) -> None:
         raise NotImplementedError
 
     def _step(self) -> None:
@@ -307,41 +355,51 @@ class _Workers:
             if not s.ready or s.task is not None:
                 continue
             with self.ledger.lock:
-                nxt = self.ledger.take()
-            if nxt is None:
+                batch = self.ledger.take(self.sizing.batch_size)
+            if not batch:
                 return
-            s.task = (nxt[0], time.perf_counter())
-            self._send(s, *nxt)
+            s.task = (tuple(task_id for task_id, _ in batch), time.perf_counter())
+            self._send(s, batch)
+
+    def _deadline(self, s: _Slot) -> float:
+        """When the batch on ``s`` times out: ``timeout_s`` per sample after its dispatch."""
+        assert s.task is not None
+        return s.task[1] + self.sizing.timeout_s * len(s.task[0])
 
     def _deadline_wait(self, default: float) -> float:
-        """Seconds until the next sample's timeout or surplus worker's idle limit."""
+        """Seconds until the next batch's timeout or surplus worker's idle limit."""
         now = time.perf_counter()
-        wait_s = min((s.task[1] + self.sizing.timeout_s - now for s in self.slots if s.task), default=default)
+        wait_s = min((self._deadline(s) - now for s in self.slots if s.task), default=default)
         return max(min(wait_s, self._next_idle_deadline() - now), 0.0)
 
     def _timed_out(self, s: _Slot) -> bool:
-        return s.task is not None and time.perf_counter() - s.task[1] > self.sizing.timeout_s
+        return s.task is not None and time.perf_counter() > self._deadline(s)
 
-    def _finish(self, s: _Slot, task_id: int, status: str, reward: float, busy: float, err: str) -> None:
-        """Worker ``s`` returned a score."""
-        if s.task is not None and s.task[0] == task_id:
+    def _finish(
+        self, s: _Slot, task_ids: Sequence[int], results: Sequence[tuple[str, float, float, str]]
+    ) -> None:
+        """Worker ``s`` returned the scores of the batch ``task_ids``."""
+        if s.task is not None and s.task[0] == tuple(task_ids):
             s.task = None
         s.ref, s.idle_since = None, time.perf_counter()
         with self.ledger.lock:
-            self.ledger.record(task_id, status, reward, busy, err)
+            for task_id, result in zip(task_ids, results):
+                self.ledger.record(task_id, *result)
 
     def _replace(self, i: int, status: str, err: str) -> None:
-        """Worker ``i`` died (``status="crash"``: its sample is retried, up to ``max_retries``) or
-        ran past the timeout (``"timeout"``: its sample scores 0); start another in its place."""
+        """Worker ``i`` died (``status="crash"``: its samples are retried, up to ``max_retries``)
+        or ran past the timeout (``"timeout"``: its samples score 0); start another in its place.
+        The batch's busy time is split evenly among its samples."""
         s = self.slots[i]
         self._stop_slot(s, graceful=False)
         with self.ledger.lock:
             if s.task is not None:
-                busy = time.perf_counter() - s.task[1]
+                task_ids, busy = s.task[0], time.perf_counter() - s.task[1]
                 if status == "crash":
-                    self.ledger.crashed(s.task[0], busy, err)
+                    self.ledger.crashed(task_ids, busy, err)
                 else:
-                    self.ledger.record(s.task[0], status, 0.0, busy, err)
+                    for task_id in task_ids:
+                        self.ledger.record(task_id, status, 0.0, busy / len(task_ids), err)
             elif not s.ready:
                 self.ledger.startup_failed(s.setup_error or err, self.sizing.max_workers)
             self.ledger.counts["restarts"] += 1
@@ -352,13 +410,13 @@ class _Workers:
     # ------------------------------------------------------------------ sizing
 
     def _scale_up(self) -> None:
-        """Start workers while more samples wait to be dispatched than workers are free
-        (idle or still starting), up to ``max_workers``."""
+        """Start workers while more batches (of ``batch_size`` samples) wait to be dispatched
+        than workers are free (idle or still starting), up to ``max_workers``."""
         if len(self.slots) >= self.sizing.max_workers:
             return
         free = sum(1 for s in self.slots if s.task is None)
         with self.ledger.lock:
-            waiting = len(self.ledger.queue)
+            waiting = math.ceil(len(self.ledger.queue) / self.sizing.batch_size)
         new = min(waiting - free, self.sizing.max_workers - len(self.slots))
         for _ in range(max(new, 0)):
             slot = self._start_worker()
@@ -441,9 +499,10 @@ class _ProcessWorkers(_Workers):
         s.handle.join(timeout=5)
         s.conn.close()
 
-    def _send(self, s: _Slot, task_id: int, task: _Task) -> None:
+    def _send(self, s: _Slot, batch: list[tuple[int, _Task]]) -> None:
+        ids = tuple(task_id for task_id, _ in batch)
         try:
-            s.conn.send((task_id, task.completion, task.prompt))
+            s.conn.send((ids, [t.completion for _, t in batch], [t.prompt for _, t in batch]))
         except OSError:
             pass  # the worker is dead: its sentinel reports it
 
@@ -485,7 +544,7 @@ class _ProcessWorkers(_Workers):
         elif kind == "setup_error":
             s.setup_error = msg[1]  # the worker exits next; _replace counts the failure
         else:
-            self._finish(s, *msg[1:])
+            self._finish(s, msg[1], msg[2])
 
     def pids(self) -> list[int]:
         with self.ledger.lock:
@@ -523,8 +582,8 @@ class _RayWorkers(_Workers):
         except Exception:  # already dead
             pass
 
-    def _send(self, s: _Slot, task_id: int, task: _Task) -> None:
-        s.ref = s.handle.score.remote(task.completion, task.prompt)
+    def _send(self, s: _Slot, batch: list[tuple[int, _Task]]) -> None:
+        s.ref = s.handle.score_many.remote([t.completion for _, t in batch], [t.prompt for _, t in batch])
 
     def wake(self) -> None:
         self.event.set()
@@ -560,14 +619,15 @@ class _RayWorkers(_Workers):
         return True
 
     def _on_result(self, i: int, s: _Slot) -> None:
+        task_ids = s.task[0] if s.task else ()
         try:
-            status, reward, busy, err = self.ray.get(s.ref)
+            results = self.ray.get(s.ref)
         except self.crash_errors as e:  # the actor (or its node) died: retried elsewhere
             self._replace(i, "crash", f"Ray actor died: {type(e).__name__}")
             return
         except Exception as e:  # anything else counts as an error
-            status, reward, busy, err = "error", 0.0, 0.0, f"{type(e).__name__}: {e}"
-        self._finish(s, s.task[0] if s.task else -1, status, reward, busy, err)
+            results = [("error", 0.0, 0.0, f"{type(e).__name__}: {e}")] * len(task_ids)
+        self._finish(s, task_ids, results)
 
 
 # --------------------------------------------------------------------------- the pool
@@ -603,6 +663,26 @@ def _check_pool_args(
         raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
     if not (number(ray_num_cpus) and ray_num_cpus >= 0):
         raise ValueError(f"ray_num_cpus must be a number >= 0, got {ray_num_cpus!r}")
+
+
+def _pool_batch_size(verifier: Verifier, batch_size: int | None) -> int:
+    """Samples per verifier call: 1 unless the verifier has ``score_batch``; then ``batch_size``,
+    or (None) the verifier's own ``batch_size`` attribute, else 1."""
+    if batch_size is not None and (
+        not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1
+    ):
+        raise ValueError(f"batch_size must be None (the verifier's own) or an int >= 1, got {batch_size!r}")
+    if not callable(getattr(verifier, "score_batch", None)):
+        if batch_size not in (None, 1):
+            raise ValueError(
+                f"batch_size={batch_size}: the verifier has no score_batch(completions, prompts) "
+                "method, so it scores one sample per call"
+            )
+        return 1
+    if batch_size is None:
+        own = getattr(verifier, "batch_size", 1)
+        batch_size = own if isinstance(own, int) and not isinstance(own, bool) and own >= 1 else 1
+    return batch_size
 
 
 class RewardPool:
@@ -641,6 +721,19 @@ class RewardPool:
         start_method: ``"forkserver"`` or ``"spawn"`` (process backend).
         ray_num_cpus: CPUs each Ray actor reserves (Ray backend).
         ray_options: more ``.options(...)`` for the Ray actors (e.g. a scheduling strategy).
+        batch_size: samples per verifier call, for a verifier with a ``score_batch(completions,
+            prompts) -> rewards`` method (:class:`~trainers.rewards.RewardModelVerifier`);
+            ``None`` (default): the verifier's own ``batch_size`` attribute if it has one, else
+            1. A verifier without ``score_batch`` scores one sample per call (``batch_size``
+            must then be None or 1). With ``batch_size > 1`` the inline backend queues the
+            samples and scores them in batches at :meth:`gather` / :meth:`poll`; a process / Ray
+            worker is sent up to ``batch_size`` queued samples in one message. A batch's
+            deadline is ``timeout_s`` per sample (``timeout_s x`` its length); past it every
+            sample of the batch scores 0.0 (``timeouts`` counts each). A worker that dies on a
+            batch is one crash; its samples are queued again and each retried alone. If
+            ``score_batch`` raises, the samples are scored one at a time, so an error stays with
+            its sample. A batch's verifier seconds are split evenly among its samples
+            (``busy_s``, :meth:`busy_by_domain`).
 
     Keys are any hashables, unique within a round (a round ends with :meth:`gather`); a
     duplicate raises ``ValueError``. :meth:`metrics` counts, over the pool's life: ``scored``
@@ -674,9 +767,11 @@ class RewardPool:
         start_method: str | None = None,
         ray_num_cpus: float = 0.0,
         ray_options: dict[str, Any] | None = None,
+        batch_size: int | None = None,
     ) -> None:
         _check_pool_args(backend, num_workers, max_workers, idle_s, timeout_s, max_retries, ray_num_cpus)
         self.verifier = get_verifier(verifier)
+        self.batch_size = _pool_batch_size(self.verifier, batch_size)
         self.backend = backend
         self.num_workers = num_workers
         self.max_workers = num_workers if max_workers is None else max_workers
@@ -685,7 +780,7 @@ class RewardPool:
         self.max_retries = max_retries
         self._ledger = _Ledger(max_retries)
         self.recent_errors = self._ledger.recent_errors
-        sizing = _Sizing(num_workers, self.max_workers, self.idle_s, self.timeout_s)
+        sizing = _Sizing(num_workers, self.max_workers, self.idle_s, self.timeout_s, self.batch_size)
         self._workers: _Workers | None = None
         if backend == "process":
             self._workers = _ProcessWorkers(self._ledger, sizing, self.verifier, start_method)
@@ -698,24 +793,50 @@ class RewardPool:
     # ------------------------------------------------------------------ public API
 
     def submit(self, key: Hashable, completion: str, prompt: Prompt) -> None:
-        """Queue one sample for scoring (returns at once, except inline where it scores it)."""
+        """Queue one sample for scoring (returns at once, except inline with ``batch_size`` 1,
+        where it scores it)."""
         if not isinstance(completion, str):
             raise TypeError(f"completion must be a str, got {type(completion).__name__}")
         led = self._ledger
+        queue = self._workers is not None or self.batch_size > 1
         with led.lock:
-            task_id = led.add(key, completion, prompt, queue=self._workers is not None)
+            task_id = led.add(key, completion, prompt, queue=queue)
         if self._workers is not None:
             self._workers.wake()
             return
+        if queue:
+            return  # inline, batched: scored at gather() / poll()
         status, r, dt, err = _run_verifier(self.verifier, completion, prompt)
         if status == "ok" and dt > self.timeout_s:
             status, r, err = "timeout", 0.0, f"took {dt:.3g} s > timeout_s {self.timeout_s}"
         with led.lock:
             led.record(task_id, status, r, dt, err)
 
+    def _score_queued_inline(self) -> None:
+        """Inline with ``batch_size > 1``: score the queued samples, ``batch_size`` per call."""
+        led = self._ledger
+        while self._workers is None:
+            with led.lock:
+                batch = led.take(self.batch_size)
+            if not batch:
+                return
+            tasks = [t for _, t in batch]
+            t0 = time.perf_counter()
+            results = _score_items(self.verifier, [t.completion for t in tasks], [t.prompt for t in tasks])
+            dt, limit = time.perf_counter() - t0, self.timeout_s * len(batch)
+            if dt > limit:
+                why = f"the batch of {len(batch)} took {dt:.3g} s > {limit:.3g} s (timeout_s per sample)"
+                results = [
+                    ("timeout", 0.0, b, why) if st == "ok" else (st, r, b, e) for st, r, b, e in results
+                ]
+            with led.lock:
+                for (task_id, _), result in zip(batch, results):
+                    led.record(task_id, *result)
+
     def gather(self) -> dict[Hashable, float]:
         """Block until every key submitted since the last gather is scored; return them all and
         start a new round. Raises ``RuntimeError`` if workers cannot start at all."""
+        self._score_queued_inline()
         led = self._ledger
         with led.cond:
             while led.tasks and led.fatal is None:
@@ -732,7 +853,9 @@ class RewardPool:
         ``{}``). Their keys leave the round, so they may be submitted again; the samples still
         being scored stay for a later ``poll`` or ``gather``. Raises ``RuntimeError`` if
         workers cannot start at all. For consumers that act on each score as it arrives (the
-        asynchronous rollout scheduler)."""
+        asynchronous rollout scheduler). Inline with ``batch_size > 1`` it first scores what
+        is queued."""
+        self._score_queued_inline()
         led = self._ledger
         with led.lock:
             if led.fatal is not None:

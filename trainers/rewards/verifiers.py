@@ -6,8 +6,12 @@ A **verifier** maps one completion to a scalar reward::
 
 where the :class:`~trainers.data.Prompt` carries the ground truth (``.answer``) and its
 ``.data_source``. :data:`VERIFIERS` maps each name to a factory taking the verifier's options,
-so a config picks one by name (``reward.verifier=exact_match|math_verify|llm_judge|code``) and
-:func:`get_verifier` builds it. Guide: ``docs/rewards-workers.md``.
+so a config picks one by name (``reward.verifier=exact_match|math_verify|llm_judge|code|reward_model``;
+``reward_model`` is a learned reward model's score,
+:class:`~trainers.rewards.reward_model.RewardModelVerifier`) and :func:`get_verifier` builds it.
+Two more names: ``ifeval`` (IFEval's verifiable instructions,
+:class:`~trainers.rewards.instructions.InstructionVerifier`) and ``multiple_choice`` (the chosen
+letter, :class:`~trainers.rewards.choice.ChoiceVerifier`). Guide: ``docs/rewards-workers.md``.
 
 >>> get_verifier("exact_match")("12+34=46", Prompt("12+34=", "46"))
 1.0
@@ -26,8 +30,11 @@ from typing import Any
 
 from rollkit.registry import UnknownNameError
 from trainers.data import Prompt
+from trainers.rewards.choice import ChoiceVerifier
 from trainers.rewards.code import CodeVerifier
+from trainers.rewards.instructions import InstructionVerifier
 from trainers.rewards.judge import JudgeReward
+from trainers.rewards.reward_model import RewardModelVerifier
 
 __all__ = [
     "VERIFIERS",
@@ -194,6 +201,9 @@ VERIFIERS: dict[str, Callable[..., Verifier]] = {
     "math_verify": MathVerifier,
     "llm_judge": llm_judge,
     "code": CodeVerifier,
+    "reward_model": RewardModelVerifier,
+    "ifeval": InstructionVerifier,
+    "multiple_choice": ChoiceVerifier,
 }
 
 
