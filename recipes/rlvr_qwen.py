@@ -37,7 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from trainers.config import Config, load_config, validate
-from trainers.data import build_prompts
+from trainers.domains import run_prompts
 from trainers.loops import AsyncTrainer, SyncTrainer
 from trainers.models import is_hub_id
 
@@ -70,13 +70,14 @@ def _fail(e: BaseException) -> SystemExit:
     return SystemExit(f"error: {e}")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, base: Config | None = None) -> dict:
+    """Parse ``argv`` over ``base`` (default :func:`recipe_defaults`), train, print the summary."""
     try:
-        cfg = load_config(sys.argv[1:] if argv is None else argv, base=recipe_defaults())
+        cfg = load_config(sys.argv[1:] if argv is None else argv, base=base or recipe_defaults())
         if not is_hub_id(cfg.model.path):  # only a hub name may reach the network
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         validate(cfg)
-        train_prompts, eval_prompts = build_prompts(cfg)  # every record checked before a model loads
+        train_prompts, eval_prompts = run_prompts(cfg)  # every record checked before a model loads
     except (ValueError, ImportError) as e:
         raise _fail(e) from None
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)

@@ -72,7 +72,9 @@ def _function_specs() -> list[tuple[str, str]]:
     """``(description, Python expression in x)`` of the ``functions`` task."""
     out = [(f"x + {b}", f"x + {b}") for b in range(1, 10)] + [(f"x - {b}", f"x - {b}") for b in range(1, 10)]
     out += [(f"{a} * x", f"{a} * x") for a in range(2, 10)]
-    out += [(f"{a} * x {op} {b}", f"{a} * x {op} {b}") for a in range(2, 10) for b in range(1, 10) for op in "+-"]
+    out += [
+        (f"{a} * x {op} {b}", f"{a} * x {op} {b}") for a in range(2, 10) for b in range(1, 10) for op in "+-"
+    ]
     out += [(f"x squared plus {b}", f"x * x + {b}") for b in range(1, 10)]
     out += [(f"x squared minus {b}", f"x * x - {b}") for b in range(1, 10)]
     out += [(f"the larger of x and {b}", f"max(x, {b})") for b in range(1, 10)]
@@ -96,7 +98,12 @@ def functions_task(*, eval_size: int = 30, seed: int = 0) -> tuple[list[Prompt],
     prompts = []
     for words, e in _function_specs():
         tests = "def check(f):\n    for x in (-3, 0, 1, 2, 7):\n" + f"        assert f(x) == {e}, x\n"
-        problem = {"format": CODE_FORMAT, "problem_id": f"f(x)={e}", "assert_tests": tests, "entry_point": "f"}
+        problem = {
+            "format": CODE_FORMAT,
+            "problem_id": f"f(x)={e}",
+            "assert_tests": tests,
+            "entry_point": "f",
+        }
         text = _user(f"Write a Python function f(x) that returns {words}.")
         prompts.append(Prompt(text, json.dumps(problem), "functions"))
     return _split(prompts, eval_size, seed, "the functions task")

@@ -350,3 +350,10 @@ def test_async_trainer_draws_the_same_quotas(tmp_path):
     # admitted one group at a time from the same stream of quotas: 3 groups of a, 1 of b
     assert (m["domain/a/samples"], m["domain/b/samples"]) == (6.0, 2.0)
     assert m["domain/a/reward"] == 1.0 and m["domain/b/reward"] == 0.0
+
+
+def test_the_config_knows_every_builtin_task():
+    from trainers.config import TASK_NAMES
+    from trainers.domains import TASKS
+
+    assert TASK_NAMES == tuple(TASKS)  # config.py checks names before trainers.domains loads
