@@ -49,14 +49,14 @@ DOMAINS = {
 
 def recipe_defaults() -> Config:
     """:func:`recipes.rlvr_qwen.recipe_defaults` with the three domains, 6 prompts x 8 samples,
-    40 new tokens, worker processes for the rewards (the sandbox runs while the model generates)."""
+    32 new tokens, 24 steps at lr 2e-5, worker processes for the rewards (the sandbox runs while the model generates)."""
     cfg = rlvr_qwen.recipe_defaults()
     cfg.data.domains = {k: dict(v) for k, v in DOMAINS.items()}
     cfg.rollout.prompts_per_step = 6
     cfg.rollout.n = 8
-    cfg.rollout.max_tokens = 40
-    cfg.eval.max_tokens = 40
-    cfg.train.steps = 30
+    cfg.rollout.max_tokens = 32
+    cfg.eval.max_tokens = 32
+    cfg.train.steps = 24
     cfg.train.lr = 2e-5
     cfg.train.micro_batch_size = 16
     cfg.reward.backend = "process"

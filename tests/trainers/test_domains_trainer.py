@@ -8,6 +8,7 @@ doubles registered for the test (named ``test_*``).
 """
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -357,3 +358,32 @@ def test_the_config_knows_every_builtin_task():
     from trainers.domains import TASKS
 
     assert TASK_NAMES == tuple(TASKS)  # config.py checks names before trainers.domains loads
+
+
+def test_domain_verifier_runs_in_worker_processes(tmp_path):
+    from trainers.rewards import RewardPool
+
+    cfg = cfg_of(
+        tmp_path,
+        {
+            "m": {"task": "addition", "verifier": "exact_match"},
+            "c": {"task": "functions", "verifier": "code"},
+        },
+    )
+    problem = functions_task(eval_size=1, seed=0)[0][0]
+    samples = [
+        ("so 7", Prompt("3+4=", "7", domain="m")),
+        ("8", Prompt("3+4=", "7", domain="m")),
+        (
+            "```python\ndef f(x):\n    return " + json.loads(problem.answer)["problem_id"][5:] + "\n```",
+            problem,
+        ),
+        ("def f(x):\n    return None", problem),
+    ]
+    with RewardPool(domain_verifiers(cfg), backend="process", num_workers=2, timeout_s=30.0) as pool:
+        for k, (text, p) in enumerate(samples):
+            pool.submit(k, text, dataclasses.replace(p, domain=p.domain or "c"))
+        got = pool.gather()
+        busy = pool.busy_by_domain()
+    assert [got[k] for k in range(4)] == [1.0, 0.0, 1.0, 0.0]
+    assert set(busy) == {"m", "c"} and busy["c"] > 0
