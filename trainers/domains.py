@@ -29,6 +29,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from rollkit.domains import DomainSampler
 from trainers.config import Config, DomainSpec, domain_specs
 from trainers.data import Prompt, PromptIterator, addition_task, build_prompts, load_prompts
@@ -39,6 +41,7 @@ __all__ = [
     "addition_domain",
     "build_domain_prompts",
     "choice_task",
+    "domain_masks",
     "formats_task",
     "functions_task",
     "make_iterator",
@@ -187,6 +190,18 @@ TASKS: dict[str, Callable[..., tuple[list[Prompt], list[Prompt]]]] = {
     "formats": formats_task,
     "choice": choice_task,
 }
+
+
+def domain_masks(domains: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``{domain: [N] bool mask}`` of the samples of each domain in ``domains`` (``[N]`` names, in
+    order of first appearance; ``""`` included), for per-domain statistics.
+
+    >>> {d: m.tolist() for d, m in domain_masks(["a", "b", "a"]).items()}
+    {'a': [True, False, True], 'b': [False, True, False]}
+    """
+    index = {d: i for i, d in enumerate(dict.fromkeys(domains))}
+    ids = torch.tensor([index[d] for d in domains], dtype=torch.int64)
+    return {d: ids == i for d, i in index.items()}
 
 
 def _tag(prompts: list[Prompt], name: str, known: Sequence[str], where: str) -> list[Prompt]:

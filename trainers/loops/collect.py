@@ -28,6 +28,7 @@ from rollkit.registry import FILTERS
 from rollkit.scheduling import EpochSampler, TailBatch, TailBatchingPolicy
 from trainers.config import Config
 from trainers.data import Prompt, PromptIterator
+from trainers.domains import DomainIterator
 from trainers.engines.base import Generation, SamplingParams, iter_generations
 from trainers.engines.requests import Request, RequestEnginePool, as_request_engine
 from trainers.loops.common import Codec, Timer
@@ -182,7 +183,7 @@ class GroupCollector:
         rollout: Any,
         rewards: RewardPool,
         codec: Codec,
-        iterator: PromptIterator | Any,
+        iterator: PromptIterator | DomainIterator,
         maker: RequestMaker,
     ) -> None:
         self.cfg, self.rollout, self.rewards, self.codec = cfg, rollout, rewards, codec

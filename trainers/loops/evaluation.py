@@ -25,6 +25,7 @@ import torch
 from rollkit.domains import correct_counts, mean_at_k, pass_at_k
 from trainers.config import Config
 from trainers.data import Prompt
+from trainers.domains import domain_masks
 from trainers.engines.base import SamplingParams, iter_generations
 from trainers.loops.common import Codec, progress_bar
 
@@ -99,12 +100,12 @@ def sampled_metrics(
     order = sorted(set(pids.tolist()))
     domains = [prompts[i].domain for i in order]
     out: dict[str, float] = {}
+    masks = domain_masks(domains)
     for k in sorted(set(e.k or [1, e.n])):
         pk, mk = pass_at_k(num, c, k=k), mean_at_k(num, c, k=k)
         out[f"eval/pass@{k}"], out[f"eval/mean@{k}"] = float(pk.mean()), float(mk.mean())
-        for d in dict.fromkeys(domains):
+        for d, sel in masks.items():
             if d:
-                sel = torch.tensor([x == d for x in domains], dtype=torch.bool)
                 out[f"eval/domain/{d}/pass@{k}"] = float(pk[sel].mean())
                 out[f"eval/domain/{d}/mean@{k}"] = float(mk[sel].mean())
     return out

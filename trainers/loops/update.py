@@ -5,8 +5,9 @@
     pack (the rollout's log-probs are the old ones) -> [old / proximal recompute on the trainer,
     mismatch correction weights] -> [DAPO soft overlong penalty] -> [reference log-probs, KL as
     a reward penalty (adaptive coefficient) or a loss term] -> [running / batch reward
-    normalisation, per domain] -> [reward clip] -> advantages (registry name) -> [max-length mask] -> [advantage whitening]
-    -> [advantage clip] -> [colocated rollout sleeps] -> the learner's PPO update (every train rank)
+    normalisation, per domain] -> [reward clip] -> advantages (registry name) -> [max-length
+    mask] -> [advantage whitening] -> [advantage clip] -> [colocated rollout sleeps] -> the
+    learner's PPO update (every train rank)
 
 The bracketed ROLL options (``reward.overlong_*``, ``algorithm.kl.target``,
 ``algorithm.reward_clip``, ``filter.max_len_mask``, ``algorithm.whiten_advantages``,
@@ -37,6 +38,7 @@ from rollkit.rewards import (
     overlong_penalty,
 )
 from trainers.config import Config
+from trainers.domains import domain_masks
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
 from trainers.learner import apply_correction, loss_mask, needs_recompute
 from trainers.loops.collect import Group
@@ -58,10 +60,9 @@ def domain_metrics(
     out: dict[str, float] = {}
     lens = torch.tensor([len(g.token_ids) for g in gens], dtype=torch.float64)
     trunc = torch.tensor([g.finish_reason == "length" for g in gens], dtype=torch.float64)
-    for d in dict.fromkeys(domains):
+    for d, sel in domain_masks(domains).items():
         if not d:
             continue
-        sel = torch.tensor([x == d for x in domains], dtype=torch.bool)
         r = rewards[sel].double()
         out[f"domain/{d}/reward"] = float(r.mean())
         out[f"domain/{d}/accuracy"] = float((r >= 1).double().mean())
@@ -171,8 +172,7 @@ class GroupUpdate:
         if not (a.reward_normalizer or a.batch_reward_norm):
             return rewards
         out = rewards.clone()
-        for d in dict.fromkeys(domains):
-            sel = torch.tensor([x == d for x in domains], dtype=torch.bool)
+        for d, sel in domain_masks(domains).items():
             r = rewards[sel]
             if a.reward_normalizer:
                 if d:
