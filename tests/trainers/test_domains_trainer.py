@@ -358,6 +358,10 @@ def test_the_config_knows_every_builtin_task():
     from trainers.domains import TASKS
 
     assert TASK_NAMES == tuple(TASKS)  # config.py checks names before trainers.domains loads
+    from trainers.domains import CODE_FORMAT
+    from trainers.rewards.code import FORMAT
+
+    assert CODE_FORMAT == FORMAT  # the functions task writes the code verifier's format
 
 
 def test_domain_verifier_runs_in_worker_processes(tmp_path):
