@@ -22,6 +22,7 @@ _SUBMODULES = (
     "advantages",
     "buffer",
     "correction",
+    "critics",
     "domains",
     "filters",
     "keys",

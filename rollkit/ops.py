@@ -59,6 +59,7 @@ from rollkit.validation import (
 
 __all__ = [
     "broadcast_to_tokens",
+    "explained_variance",
     "group_index",
     "group_normalize",
     "masked_mean",
@@ -724,3 +725,36 @@ def broadcast_to_tokens(values: Tensor, mask: Tensor) -> Tensor:
     elif values.shape != mask.shape:
         raise ValueError(f"values: shape {list(values.shape)} is neither [B] nor mask's {list(mask.shape)}")
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def explained_variance(pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """How much of the variance of ``target`` the predictions ``pred`` explain, over ``mask``.
+
+        EV = 1 - Var(target - pred) / Var(target)          (biased variances over the masked entries)
+
+    The critic diagnostic of PPO (OpenAI baselines' ``explained_variance``; verl's
+    ``critic/vf_explained_var``, OpenRLHF's): 1 is a perfect critic, 0 one no better than the
+    mean of the targets, negative one worse than that. 0-dim float64; ``NaN`` when the masked
+    targets are constant (``Var(target) = 0``) or fewer than one entry is selected.
+
+    Args:
+        pred, target: float tensors of one shape (e.g. ``[B, T]`` values and returns).
+        mask: bool tensor of that shape.
+
+    >>> m = torch.ones(4, dtype=torch.bool)
+    >>> explained_variance(torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([0.0, 1.0, 2.0, 4.0]), m)
+    tensor(0.9143, dtype=torch.float64)
+    """
+    check_float("pred", pred)
+    check_float("target", target)
+    if pred.shape != target.shape:
+        raise ValueError(f"pred: shape {list(pred.shape)} differs from target's {list(target.shape)}")
+    check_mask("mask", mask, target, "target")
+    t = target.detach().double()[mask]
+    if t.numel() < 1:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=target.device)
+    e = t - pred.detach().double()[mask]
+    var_t = t.var(unbiased=False)
+    if var_t == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=target.device)
+    return 1 - e.var(unbiased=False) / var_t

@@ -47,6 +47,7 @@ __all__ = [
     "mask_truncated",
     "normalize_rewards",
     "overlong_penalty",
+    "token_level_rewards",
 ]
 
 # --------------------------------------------------------------------------- normalisation
@@ -447,3 +448,60 @@ def mask_truncated(
         raise ValueError(f"truncated: has {truncated.shape[0]} entries but mask has {mask.shape[0]} rows")
     check_same_device("truncated", truncated, "mask", mask)
     return mask & ~truncated.unsqueeze(-1)
+
+
+def token_level_rewards(
+    scores: Tensor,  # [B] sequence rewards
+    mask: Tensor,  # [B, T] bool response mask
+    *,
+    kl: Tensor | None = None,  # [B, T] per-token KL estimate
+    kl_coef: float = 0.0,
+) -> Tensor:  # [B, T] float, 0 where mask is False
+    r"""Per-token rewards of a critic (PPO with GAE): the sequence reward on the last response
+    token, minus a KL penalty on every token.
+
+    .. math::  r_{b,t} = -\beta \, \mathrm{KL}_{b,t} + [t = \mathrm{last}_b] \, R_b
+
+    where ``last_b`` is row ``b``'s last valid token (masked tokens inside a response, e.g. a
+    tool's output, are skipped; InstructGPT's reward, Ouyang et al., 2022,
+    arXiv:2203.02155; verl's ``apply_kl_penalty`` and OpenRLHF's ``compute_reward`` build the same
+    tensor). A row without valid tokens is all 0 (its score is dropped). Feed the result to
+    :func:`rollkit.advantages.gae_advantages`.
+
+    Args:
+        scores: ``[B]`` float sequence rewards (after any normalisation or clipping).
+        mask: ``[B, T]`` bool.
+        kl: optional ``[B, T]`` float KL estimate (required when ``kl_coef > 0``); ignored outside ``mask``.
+        kl_coef: ``beta >= 0``.
+
+    >>> m = torch.tensor([[True, True, False], [True, True, True]])
+    >>> token_level_rewards(torch.tensor([1.0, 0.5]), m)
+    tensor([[0.0000, 1.0000, 0.0000],
+            [0.0000, 0.0000, 0.5000]])
+    >>> token_level_rewards(torch.tensor([1.0, 0.5]), m, kl=torch.full((2, 3), 0.1), kl_coef=0.5)
+    tensor([[-0.0500,  0.9500,  0.0000],
+            [-0.0500, -0.0500,  0.4500]])
+    """
+    check_ndim("scores", scores, 1)
+    check_ndim("mask", mask, 2)
+    check_mask("mask", mask)
+    if scores.shape[0] != mask.shape[0]:
+        raise ValueError(f"scores: has {scores.shape[0]} entries but mask has {mask.shape[0]} rows")
+    check_same_device("scores", scores, "mask", mask)
+    if not scores.is_floating_point():
+        raise ValueError(f"scores: expected a float tensor, got {scores.dtype}")
+    check_positive("kl_coef", kl_coef, allow_zero=True)
+    if kl_coef > 0 and kl is None:
+        raise ValueError("kl: required when kl_coef > 0")
+    if values_readable("scores", scores):
+        check_finite_float("scores", scores)
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, pos, -1).amax(-1, keepdim=True) if mask.shape[1] else None
+    out = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device)
+    if last is not None:  # the score where the position is the row's last valid one
+        out = torch.where(pos == last, scores[:, None].expand_as(out), out)
+    if kl is not None and kl_coef > 0:
+        if kl.shape != mask.shape:
+            raise ValueError(f"kl: shape {list(kl.shape)} differs from mask's {list(mask.shape)}")
+        out = out - kl_coef * torch.where(mask, kl.to(out.dtype), torch.zeros_like(out))
+    return torch.where(mask, out, torch.zeros_like(out))

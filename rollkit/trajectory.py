@@ -352,6 +352,30 @@ class TrajectoryBatch:
         zero = torch.zeros((), dtype=values.dtype, device=values.device)
         return torch.where(self.response_mask.to(values.device), out, zero)
 
+    def turn_end_rewards(self) -> Tensor:
+        """``[B, T]`` per-token rewards for a critic: each step's reward on the last action token
+        of its turn, 0 elsewhere (environment tokens, padding, the other action tokens), so
+        :func:`rollkit.advantages.gae_advantages` over ``response_mask`` credits each turn's
+        reward when the turn ends and skips the environment's tokens. A row's entries sum to its
+        ``rewards`` (the sum of its kept turn rewards) when each of its turns has an action token.
+
+        Each turn is identified by ``step_ids``; its last action token is the last position on
+        ``response_mask`` with that step id.
+        """
+        mask, ids = self.response_mask, self.step_ids
+        T = mask.shape[1]
+        pos = torch.arange(T, device=mask.device).expand_as(ids)
+        # the last action position of each (row, step): scatter_reduce amax over the action tokens
+        n = int(self.step_rewards.shape[0])
+        out = torch.zeros(mask.shape, dtype=self.step_rewards.dtype, device=mask.device)
+        if n == 0 or T == 0:
+            return out
+        step = (self.step_offsets.unsqueeze(1) + ids.clamp(min=0)).clamp(max=n - 1)
+        last = torch.full((n,), -1, dtype=torch.long, device=mask.device)
+        last = last.scatter_reduce(0, step[mask], pos[mask], reduce="amax")
+        ends = mask & (pos == last[step])
+        return torch.where(ends, self.steps_to_tokens(self.step_rewards), out)
+
     def to_tensordict(self) -> Any:
         """The row tensors as a ``TensorDict`` with ``batch_size=[B]`` (standard keys of
         :mod:`rollkit.keys`); imports tensordict on first use."""

@@ -39,6 +39,7 @@ LAYERS = [
     ("trainers.rewards", 3),
     ("trainers.envs", 3),
     ("trainers.learner", 3),
+    ("trainers.critic", 3),
     ("trainers.ray", 4),
     ("trainers.roles", 4),
     ("trainers.loops", 5),

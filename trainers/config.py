@@ -48,6 +48,9 @@ __all__ = [
     "AsyncConfig",
     "CheckpointConfig",
     "Config",
+    "CriticConfig",
+    "CRITIC_ADVANTAGES",
+    "critic_needed",
     "DataConfig",
     "EvalConfig",
     "FilterConfig",
@@ -247,6 +250,45 @@ class AlgorithmConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
+#: the ``algorithm.advantage`` values that train with a learned critic (the loops then build the
+#: critic role and compute values for every batch)
+CRITIC_ADVANTAGES = ("gae", "asyppo")
+
+
+@dataclass
+class CriticConfig:
+    """The learned critic of ``algorithm.advantage=gae`` (PPO) or ``asyppo`` (AsyPPO's
+    mini-critics): a value model, its optimizer and its update (docs/ppo.md)."""
+
+    # the value model: "" = the policy's checkpoint (model.path, or the tiny model) with a scalar
+    # head on the final hidden states; else a Hugging Face checkpoint directory (a causal LM, or a
+    # critic saved by a previous run: AutoModelForTokenClassification with one label)
+    model_path: str = ""
+    engine: str = ""  # "" = train.engine; "torch", "deepspeed" (train.zero_stage) or "fsdp2"
+    lr: float = 1e-5  # its own AdamW learning rate (ROLL and verl train the critic faster than the actor)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    lr_warmup_steps: int = 0  # linear LR warm-up over this many critic optimizer steps
+    lr_schedule: str = "constant"  # "constant" or "cosine" (over train.steps, after the warm-up)
+    value_clip: float = 0.5  # clip the value update to old +- value_clip (verl cliprange_value); 0: plain MSE
+    value_coef: float = 0.5  # the loss coef * max((V - R)^2, (V_clip - R)^2) (rollkit.losses.value_loss)
+    # the first warmup_steps RL steps train the critic alone (the policy is not updated; ROLL critic_warmup)
+    warmup_steps: int = 0
+    # AsyPPO: the number of mini-critics (0: 1 for gae, 2 for asyppo, as in the paper); each trains
+    # on its own shard of every batch and the values are their mean
+    num_critics: int = 0
+    shard_level: str = "response"  # AsyPPO shards: "response" (within each prompt, the paper's) or "prompt"
+    # AsyPPO (rollkit.critics.disagreement_masks): the fraction of the batch's response tokens whose
+    # advantage is masked, lowest inter-critic std first (the paper's k), and the fraction left out of
+    # the entropy bonus, highest std first (its h; acts when algorithm.entropy_coef > 0)
+    advantage_mask_frac: float = 0.2
+    entropy_filter_frac: float = 0.2
+    ppo_epochs: int = 0  # 0: train.ppo_epochs (the critic's micro-batching is the policy's: train.*)
+    # whiten the GAE advantages over the batch's response tokens (verl's GAE always does; ROLL's PPO
+    # configs set whiten_advantages), before AsyPPO's mask; algorithm.whiten_advantages is the same for every estimator
+    whiten_advantages: bool = True
+
+
 @dataclass
 class FilterConfig:
     """Dynamic sampling: drop prompt groups whose rewards are all equal, and generate again
@@ -403,6 +445,9 @@ class PlacementConfig:
     cpus_per_worker: float = 1.0  # CPUs per bundle (colocated: shared by the bundle's actors)
     gpus_per_worker: float | None = None  # GPUs per bundle (None: 1 if the cluster has GPUs, else 0)
     reference: str = "train"  # "train": in train rank 0's bundle; "separate": a bundle of its own
+    critic: str = (
+        "train"  # the critic actor (algorithm.advantage gae / asyppo): "train" or "separate", as reference
+    )
     offload: bool = True  # colocated: rollout.sleep() while training, wake() + update after
     sleep_level: int = 1  # 1: offload weights; 2: discard them (the update reloads them)
     rollout_resources: dict = field(default_factory=dict)  # custom node resources per rollout bundle
@@ -457,6 +502,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     filter: FilterConfig = field(default_factory=FilterConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     tail_batching: TailBatchingConfig = field(default_factory=TailBatchingConfig)
@@ -560,6 +606,7 @@ class AgenticConfig:
     rollout: AgenticRolloutConfig = field(default_factory=AgenticRolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=_agentic_algorithm)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     eval: AgenticEvalConfig = field(default_factory=AgenticEvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -962,10 +1009,10 @@ def _check_common(cfg: Any) -> None:
     _check_model_path(cfg.model.path)
 
 
-def _check_model_path(path: str) -> None:
+def _check_model_path(path: str, name: str = "model.path") -> None:
     if path not in ("", "tiny") and not Path(path).exists() and not is_hub_id(path):
         raise ValueError(
-            f"model.path: {path} does not exist (give a local HF checkpoint directory, a hub name "
+            f"{name}: {path} does not exist (give a local HF checkpoint directory, a hub name "
             "such as Qwen/Qwen2.5-0.5B-Instruct, or '' / tiny)"
         )
 
@@ -1015,11 +1062,88 @@ def _check_correction(a: AlgorithmConfig) -> None:
         )
 
 
+def critic_needed(cfg: Any) -> bool:
+    """Whether ``cfg.algorithm.advantage`` trains with a learned critic (:data:`CRITIC_ADVANTAGES`)."""
+    name = cfg.algorithm.advantage
+    if name in ADVANTAGE_ESTIMATORS:
+        name = ADVANTAGE_ESTIMATORS.entry(name).name
+    return name in CRITIC_ADVANTAGES
+
+
+def _check_critic(c: Any) -> None:
+    """``critic.*``: numbers, names, and no critic settings without a critic advantage."""
+    k = c.critic
+    _check_numbers(
+        [
+            ("critic.lr", k.lr, ">0"),
+            ("critic.weight_decay", k.weight_decay, ">=0"),
+            ("critic.grad_clip", k.grad_clip, ">0"),
+            ("critic.lr_warmup_steps", k.lr_warmup_steps, "int>=0"),
+            ("critic.value_clip", k.value_clip, ">=0"),
+            ("critic.value_coef", k.value_coef, ">0"),
+            ("critic.warmup_steps", k.warmup_steps, "int>=0"),
+            ("critic.num_critics", k.num_critics, "int>=0"),
+            ("critic.ppo_epochs", k.ppo_epochs, "int>=0"),
+            ("critic.advantage_mask_frac", k.advantage_mask_frac, ">=0"),
+            ("critic.entropy_filter_frac", k.entropy_filter_frac, ">=0"),
+        ]
+    )
+    for name, v in (
+        ("critic.advantage_mask_frac", k.advantage_mask_frac),
+        ("critic.entropy_filter_frac", k.entropy_filter_frac),
+    ):
+        if v > 1:
+            raise ValueError(f"{name} must be in [0, 1] (a fraction of the response tokens), got {v!r}")
+    _check_names(
+        c,
+        [
+            ("critic.engine", k.engine, ("", *TRAIN_ENGINES)),
+            ("critic.lr_schedule", k.lr_schedule, ("constant", "cosine")),
+            ("critic.shard_level", k.shard_level, ("response", "prompt")),
+        ],
+    )
+    if k.model_path:
+        _check_model_path(k.model_path, "critic.model_path")
+    if not critic_needed(c):
+        if k.warmup_steps or k.num_critics:
+            raise ValueError(
+                f"critic.warmup_steps / critic.num_critics: algorithm.advantage={c.algorithm.advantage!r} trains "
+                f"no critic; use one of {', '.join(CRITIC_ADVANTAGES)}"
+            )
+        return
+    extra = sorted(set(c.algorithm.advantage_kwargs) - {"gamma", "lam"})
+    if extra:
+        raise ValueError(
+            f"algorithm.advantage_kwargs: {extra} not taken by the critic's GAE (it takes gamma and lam; AsyPPO's "
+            "fractions are critic.advantage_mask_frac / entropy_filter_frac)"
+        )
+    for key in ("gamma", "lam"):
+        v = c.algorithm.advantage_kwargs.get(key, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"algorithm.advantage_kwargs.{key} must be a number in [0, 1], got {v!r}")
+    asy = ADVANTAGE_ESTIMATORS.entry(c.algorithm.advantage).name == "asyppo"
+    if not asy and k.num_critics > 1:
+        raise ValueError(
+            f"critic.num_critics={k.num_critics}: several mini-critics are AsyPPO's; set algorithm.advantage=asyppo "
+            "(or critic.num_critics=1)"
+        )
+    if k.warmup_steps >= c.train.steps > 0:
+        raise ValueError(
+            f"critic.warmup_steps ({k.warmup_steps}) must be < train.steps ({c.train.steps}): the policy would "
+            "never be trained"
+        )
+    if (k.engine or c.train.engine) == "fsdp2" and c.train.lora_rank:
+        raise ValueError(
+            "critic.engine: a LoRA critic is wired for torch and deepspeed (ZeRO 0-2), not fsdp2"
+        )
+
+
 def _check_algorithm(c: Config) -> None:
     """The estimator and loss get the tensors they need; group estimators get groups."""
     a = c.algorithm
     adv = ADVANTAGE_ESTIMATORS.entry(a.advantage)
-    _check_inputs("algorithm.advantage", adv, RLVR_ADVANTAGE_INPUTS, "the RLVR trainer")
+    if not critic_needed(c):  # the critic path builds token rewards and values itself
+        _check_inputs("algorithm.advantage", adv, RLVR_ADVANTAGE_INPUTS, "the RLVR trainer")
     _check_inputs(
         "algorithm.policy_loss", POLICY_LOSSES.entry(a.policy_loss), RLVR_LOSS_INPUTS, "the RLVR trainer"
     )
@@ -1305,9 +1429,11 @@ def validate(cfg: Config) -> None:
             ("reward.code_mode", c.reward.code_mode, ("all", "fraction")),
             ("placement.mode", c.placement.mode, ("colocated", "disaggregated")),
             ("placement.reference", c.placement.reference, ("train", "separate")),
+            ("placement.critic", c.placement.critic, ("train", "separate")),
         ],
     )
     _check_common(c)
+    _check_critic(c)
     _check_rollout_extras(c)
     _check_algorithm(c)
     _check_roll_options(c)
@@ -1465,3 +1591,4 @@ def validate_agentic(cfg: AgenticConfig) -> None:
             "engines to AgenticTrainer(rollout_engine=, train_engine=)"
         )
     _check_common(cfg)
+    _check_critic(cfg)

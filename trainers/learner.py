@@ -192,7 +192,8 @@ def _micro_batch_loss(
     loss = aggregate(pg, mask, spec.aggregation, **norms)
     if spec.entropy_coef:
         e = REGULARIZERS.get("entropy")(ent, mask, coef=spec.entropy_coef)
-        loss = loss + aggregate(e.loss, mask, spec.aggregation, **norms)
+        e_loss = e.loss if mb.entropy_keep is None else e.loss * mb.entropy_keep  # AsyPPO's filter
+        loss = loss + aggregate(e_loss, mask, spec.aggregation, **norms)
     if ref_logprobs is not None and spec.kl_in_loss:
         kl = REGULARIZERS.get("kl")(lp, ref_logprobs, mask, estimator=spec.kl_estimator, coef=spec.kl_coef)
         loss = loss + aggregate(kl.loss, mask, spec.aggregation, **norms)

@@ -1,8 +1,10 @@
-"""The roles of an RLVR run, built in this process or as Ray actors: rollout, train, reference, reward.
+"""The roles of an RLVR run, built in this process or as Ray actors: rollout, train, reference,
+critic, reward.
 
 :func:`build_roles` turns a config into a :class:`Roles`: the rollout role (an engine, or a
 group of Ray rollout actors), the train role as a :class:`~trainers.learner.Learner` (in
 process, or the Ray train group), the frozen reference policy when ``algorithm.kl.coef > 0``,
+the learned critic when ``algorithm.advantage`` is ``gae`` or ``asyppo`` (:mod:`trainers.critic`),
 and the :class:`~trainers.rewards.RewardPool` that scores samples as they finish. The loops
 talk only to these; ``Roles.close()`` stops what was started here. docs/distributed.md.
 """
@@ -14,7 +16,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainers.config import Config
+from trainers.config import Config, critic_needed
+from trainers.critic import build_critic
 from trainers.data import Prompt
 from trainers.engines.build import build_engines
 from trainers.engines.server_rollout import ServerRolloutEngine
@@ -58,6 +61,7 @@ class Roles:
     rewards: RewardPool
     verifier: Any
     reward_fn: Any = None
+    critic: Any = None  # algorithm.advantage=gae / asyppo: the learned critic (trainers.critic.Critic)
     owned: list[Any] = field(default_factory=list)
     _reward_busy: float = 0.0
     _domain_busy: dict[str, float] = field(default_factory=dict)
@@ -147,6 +151,19 @@ def _reference(cfg: Config, train: Any, given: Any) -> Any:
     return ref
 
 
+def _critic(cfg: Config, model: Any, given: Any, ray_critic: Any) -> Any:
+    """The critic role when ``algorithm.advantage`` needs one: ``given``, the Ray critic actor,
+    or a :class:`~trainers.critic.LocalCritic` from ``critic.model_path`` or the initial policy
+    ``model`` (default: ``cfg.model`` loaded afresh)."""
+    if not critic_needed(cfg):
+        return None
+    if given is not None:
+        return given
+    if ray_critic is not None:
+        return ray_critic
+    return build_critic(cfg, policy=model)
+
+
 def build_verifier(cfg: Config) -> Any:
     """The verifier of ``cfg``: one per domain routed by tag with ``data.domains``
     (:func:`trainers.rewards.routing.domain_verifiers`), else ``reward.verifier``."""
@@ -178,6 +195,7 @@ def build_roles(
     model: Any = None,
     reward_fn: Any = None,
     reference: Any = None,
+    critic: Any = None,
 ) -> Roles:
     """The roles of ``cfg`` (module docstring).
 
@@ -190,8 +208,13 @@ def build_roles(
         reward_fn: ``(completion_text, answer) -> float`` instead of the verifier ``reward.verifier``.
         reference: the frozen reference policy (anything with the TrainEngine ``logprobs`` or a
             ``batch_logprobs`` method); default: a frozen copy of the initial policy.
+        critic: the critic (a :class:`~trainers.critic.Critic`) when ``algorithm.advantage`` is
+            ``gae`` or ``asyppo``; default: built from ``critic.*`` (a Ray actor on Ray).
     """
     owned: list[Any] = []
+    ray_critic = None
+    if critic is None and not cfg.ray.enabled:  # before the engines: LoRA wraps the policy in place
+        critic = _critic(cfg, model, None, None)
     if rollout is None or train is None:
         if cfg.ray.enabled:
             ray_roles = build_ray_roles(
@@ -200,6 +223,7 @@ def build_roles(
             owned.append(ray_roles)
             rollout, train, tokenizer = ray_roles.rollout, ray_roles.train, ray_roles.tokenizer
             reference = ray_roles.reference if reference is None else reference
+            ray_critic = ray_roles.critic
         else:
             rollout, train, tokenizer = build_engines(cfg, model=model, tokenizer=tokenizer)
             if isinstance(rollout, ServerRolloutEngine):
@@ -207,6 +231,7 @@ def build_roles(
     if tokenizer is None:
         raise ValueError("tokenizer: required when the engines are passed in")
     try:
+        critic = _critic(cfg, model, critic, ray_critic)
         verifier = build_verifier(cfg)
         rewards = reward_pool(cfg, verifier, reward_fn)
     except BaseException:
@@ -223,5 +248,6 @@ def build_roles(
         rewards=rewards,
         verifier=verifier,
         reward_fn=reward_fn,
+        critic=critic,
         owned=owned,
     )

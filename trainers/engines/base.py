@@ -219,6 +219,8 @@ class PackedBatch:
     behavior_logprobs: Tensor | None = None  # [B, T] float32; None: the same as old_logprobs
     is_weights: Tensor | None = None  # [B, T] mismatch-correction weights (rollkit.correction); None: 1
     keep: Tensor | None = None  # [B, T] bool: tokens the correction kept in the loss; None: all
+    # [B, T] bool: tokens that get the entropy bonus (AsyPPO's filter, rollkit.critics); None: all
+    entropy_keep: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -237,6 +239,7 @@ class PackedBatch:
             behavior_logprobs=None if self.behavior_logprobs is None else self.behavior_logprobs[rows],
             is_weights=None if self.is_weights is None else self.is_weights[rows],
             keep=None if self.keep is None else self.keep[rows],
+            entropy_keep=None if self.entropy_keep is None else self.entropy_keep[rows],
         )
 
 

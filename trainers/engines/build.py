@@ -253,9 +253,11 @@ def make_server_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> 
     return eng
 
 
-def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
+def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy") -> TrainEngine:
     """The ``train.engine`` engine over ``model`` (``torch``, ``deepspeed`` with
-    ``train.zero_stage``, or ``fsdp2``), with the config's optimizer settings and LR schedule."""
+    ``train.zero_stage``, or ``fsdp2``), with the config's optimizer settings and LR schedule.
+    ``task="value"``: ``model`` is a critic (:func:`trainers.critic.value_model`); with LoRA its
+    value head trains in full beside the adapters."""
     t, dtype, lam = cfg.train, parse_dtype(cfg.model.dtype), lr_lambda(cfg)
     if t.lora_rank:
         model = apply_lora(
@@ -265,6 +267,7 @@ def make_train_engine(cfg: Any, model: Any, *, device: str) -> TrainEngine:
             dropout=t.lora_dropout,
             target_modules=_lora_targets(cfg),
             seed=cfg.seed,
+            value_head="score" if task == "value" else None,
         )
     kw = dict(
         lr=t.lr,

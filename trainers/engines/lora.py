@@ -98,8 +98,12 @@ def apply_lora(
     dropout: float = 0.0,
     target_modules: Sequence[str] = LORA_TARGETS,
     seed: int = 0,
+    value_head: str | None = None,
 ) -> Any:
     """Wrap a transformers causal LM in peft LoRA adapters; only the adapters are trainable.
+
+    ``value_head``: ``model`` is a critic (a token-classification model) whose head module of
+    that name (``"score"``) trains in full beside the adapters (peft ``modules_to_save``).
 
     Each linear layer named in ``target_modules`` (the last component of its module name)
     computes ``W x + (alpha / rank) * B A x`` with ``A: [rank, in]`` (Kaiming-uniform, drawn
@@ -123,7 +127,8 @@ def apply_lora(
         lora_dropout=float(dropout),
         target_modules=list(targets),
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type="CAUSAL_LM" if value_head is None else "TOKEN_CLS",
+        modules_to_save=None if value_head is None else [value_head],
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

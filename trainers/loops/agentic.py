@@ -28,7 +28,8 @@ import torch
 from rollkit.advantages import anchor_state_index
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.trajectory import TrajectoryBatch
-from trainers.config import AgenticConfig, validate_agentic
+from trainers.config import AgenticConfig, critic_needed, validate_agentic
+from trainers.critic import build_critic
 from trainers.deps import require
 from trainers.engines.base import PackedBatch, SamplingParams, batch_logprobs
 from trainers.engines.build import build_engines
@@ -38,6 +39,7 @@ from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
 from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, ppo_update
 from trainers.loops.common import make_tracker, progress_bar, read_checkpoint, write_checkpoint
+from trainers.loops.critic_step import CriticStep
 
 __all__ = ["AgenticTrainer", "build_agentic_engines", "plot_history"]
 
@@ -123,6 +125,8 @@ class AgenticTrainer:
         rollout_engine, train_engine, tokenizer: engines (default :func:`build_agentic_engines`);
             the rollout engine must start with the train engine's weights.
         runner: an :class:`~trainers.envs.workers.EnvWorkers` to play in (default: a new one).
+        critic: the critic (:class:`~trainers.critic.Critic`) of ``algorithm.advantage`` gae /
+            asyppo; default: built from ``critic.*`` (``critic.model_path`` or ``model`` afresh).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class AgenticTrainer:
         train_engine: Any = None,
         tokenizer: Any = None,
         runner: Any = None,
+        critic: Any = None,
     ) -> None:
         validate_agentic(cfg)
         self.cfg = cfg
@@ -159,6 +164,8 @@ class AgenticTrainer:
             max_batch_size=cfg.rollout.max_batch_size,
         )
         self.adv_entry = ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
+        # algorithm.advantage=gae / asyppo: the learned critic (critic.model_path, or cfg.model afresh)
+        self.critic = critic if critic is not None or not critic_needed(cfg) else build_critic(cfg)
         self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)
         self.version = 0  # optimizer steps applied = the policy version the engine serves
         self._seeds = random.Random(cfg.seed)
@@ -236,11 +243,6 @@ class AgenticTrainer:
         metrics = episode_metrics(result, self.version)
         # trajectories -> one packed batch (env tokens masked out of the response) -> advantages
         batch = result.to_batch(max_context=cfg.env.max_context, pad_token_id=self.pad_id)
-        adv, adv_metrics = trajectory_advantages(self.adv_entry, batch, cfg.algorithm.advantage_kwargs)
-        metrics.update(adv_metrics)
-        # the one PPO update; the old log-probs are the rollout's (behaviour) ones, or the
-        # trainer's recomputation with the mismatch correction (algorithm.correction)
-        t1 = time.perf_counter()
         L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
         packed = PackedBatch(
             batch.input_ids,
@@ -249,6 +251,21 @@ class AgenticTrainer:
             L - T,
             old_logprobs=batch.behavior_logprobs,
         )
+        t1 = time.perf_counter()
+        critic_step = None
+        if self.critic is None:
+            adv, adv_metrics = trajectory_advantages(self.adv_entry, batch, cfg.algorithm.advantage_kwargs)
+        else:  # PPO / AsyPPO: each turn's reward at its end, GAE over the action tokens
+            critic_step = CriticStep(cfg, self.critic, packed, batch.group_ids, self.version)
+            adv_metrics = {}
+            adv = critic_step.advantages(batch.turn_end_rewards(), adv_metrics)
+            adv_metrics["advantage/abs_mean"] = float(
+                adv.abs().sum() / packed.response_mask.sum().clamp(min=1)
+            )
+            adv_metrics.update(critic_step.update(seed=cfg.seed * 7919 + self.version))
+        metrics.update(adv_metrics)
+        # the one PPO update; the old log-probs are the rollout's (behaviour) ones, or the
+        # trainer's recomputation with the mismatch correction (algorithm.correction)
         corr = cfg.algorithm.correction
         if needs_recompute(corr):
             r = cfg.rollout
@@ -262,8 +279,11 @@ class AgenticTrainer:
             )
             packed.behavior_logprobs, packed.old_logprobs = packed.old_logprobs, old * packed.response_mask
             metrics.update(apply_correction(packed, corr, segment_ids=batch.step_ids))
-        stats = ppo_update(self.train, packed, adv, self.spec, seed=cfg.seed * 7919 + self.version)
-        metrics.update(stats.metrics())
+        if critic_step is not None and self.version < cfg.critic.warmup_steps:
+            metrics["critic/warmup"] = 1.0  # critic warm-up: the policy waits (its version still advances)
+        else:
+            stats = ppo_update(self.train, packed, adv, self.spec, seed=cfg.seed * 7919 + self.version)
+            metrics.update(stats.metrics())
         t_train = time.perf_counter() - t1
         # push the weights (between two generation batches if a collection is running)
         t2 = time.perf_counter()
@@ -361,6 +381,7 @@ class AgenticTrainer:
         return {
             "version": self.version,
             "train": self.train.state_dict(),
+            "critic": None if self.critic is None else self.critic.state_dict(),
             "seeds": self._seeds.getstate(),
             "calls": self._calls,
             "server": self.rollout.server.state_dict(),
@@ -369,6 +390,12 @@ class AgenticTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.train.load_state_dict(state["train"])
+        if self.critic is not None:
+            if state.get("critic") is None:
+                raise ValueError(
+                    "checkpoint.resume: the checkpoint has no critic (it was written by a run without one)"
+                )
+            self.critic.load_state_dict(state["critic"])
         self.version, self._calls = int(state["version"]), int(state["calls"])
         self._seeds.setstate(state["seeds"])
         self.rollout.server.load_state_dict(state["server"])
@@ -449,6 +476,8 @@ class AgenticTrainer:
         if cfg.checkpoint.dir:
             self.save_checkpoint()
         model_dir = self.train.save_model(tracker.dir / "model", self.tok) if cfg.logging.save_model else None
+        if self.critic is not None and cfg.logging.save_model:
+            self.critic.save_model(tracker.dir / "critic", self.tok)
         steps_run = self.version - start
         return {
             "success_before": None if before is None else before["eval/success_rate"],

@@ -124,12 +124,19 @@ def loop_state(loop: Any) -> dict[str, Any]:
         "update": loop.update.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         "lengths": loop.maker.state_dict(),
+        "critic": None if loop.roles.critic is None else loop.roles.critic.state_dict(),
     }
 
 
 def restore_loop_state(loop: Any, state: dict[str, Any]) -> None:
     """Undo :func:`loop_state` (the rollout's weights are the caller's to push)."""
     loop.learner.load_state_dict(state["train"])
+    if loop.roles.critic is not None:
+        if state.get("critic") is None:
+            raise ValueError(
+                "checkpoint.resume: the checkpoint has no critic (it was written by a run without one)"
+            )
+        loop.roles.critic.load_state_dict(state["critic"])
     ref = getattr(loop.roles.reference, "model", None)
     if ref is not None and state.get("reference") is not None:
         ref.load_state_dict(state["reference"])
@@ -226,6 +233,16 @@ def progress_bar(total: int, initial: int = 0, desc: str = "train", unit: str = 
     return _Bar(total, initial, desc, unit)
 
 
+def _save_models(loop: Loop, directory: Path) -> Path:
+    """The policy as ``directory/model`` (and a learned critic as ``directory/critic``); returns
+    the policy's directory."""
+    path = loop.save_model(directory / "model")
+    critic = getattr(getattr(loop, "roles", None), "critic", None)
+    if critic is not None:
+        critic.save_model(directory / "critic", getattr(loop, "tok", None))
+    return path
+
+
 def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = _progress) -> dict[str, Any]:
     """Resume (``checkpoint.resume``), evaluate, train up to ``steps`` (default ``train.steps``;
     counted from the current step), evaluate; returns a summary. ``line(step, total, metrics)``
@@ -259,7 +276,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         if cfg.checkpoint.dir and cfg.checkpoint.every and k % cfg.checkpoint.every == 0:
             step_dir = loop.save_checkpoint()
             if lg.save_model:
-                loop.save_model(step_dir / "model")
+                _save_models(loop, step_dir)
     train_time = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -269,7 +286,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     tracker.close()
     if cfg.checkpoint.dir:
         loop.save_checkpoint()
-    model_dir = loop.save_model(tracker.dir / "model") if lg.save_model else None
+    model_dir = _save_models(loop, tracker.dir) if lg.save_model else None
     steps_run = loop.global_step - start
     tb = tracker.dir / "tb"
     return {

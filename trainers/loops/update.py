@@ -36,6 +36,7 @@ from rollkit.rewards import (
     mask_truncated,
     normalize_rewards,
     overlong_penalty,
+    token_level_rewards,
 )
 from trainers.config import Config
 from trainers.domains import domain_masks
@@ -43,6 +44,7 @@ from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
 from trainers.learner import apply_correction, loss_mask, needs_recompute
 from trainers.loops.collect import Group
 from trainers.loops.common import Timer
+from trainers.loops.critic_step import CriticStep
 from trainers.roles import Roles
 
 __all__ = ["GroupUpdate", "domain_metrics"]
@@ -89,6 +91,8 @@ class GroupUpdate:
         self.kl_ctrl = (
             AdaptiveKLController(a.kl.coef, target=a.kl.target, horizon=a.kl.horizon) if a.kl.target else None
         )
+        self.critic = roles.critic  # algorithm.advantage=gae / asyppo: the learned critic role
+        self.critic_step: CriticStep | None = None
 
     def __call__(
         self, groups: list[Group], step: int, timer: Timer, *, recompute: bool = False
@@ -119,7 +123,7 @@ class GroupUpdate:
             rewards = rewards + pen
             metrics["reward/overlong_penalty_mean"] = float(pen.mean())
             metrics["reward/overlong_frac"] = float((pen < 0).float().mean())
-        ref_lp = None
+        ref_lp, kl_pen = None, None  # kl_pen: [B, T] the KL reward penalty per token (kl.mode=reward)
         if self.roles.reference is not None:
             with timer("reference"):
                 ref_lp = self._logprobs(self.roles.reference, batch)
@@ -135,7 +139,9 @@ class GroupUpdate:
             metrics["kl/rollout"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
             if a.kl.mode == "reward":
                 coef = a.kl.coef if self.kl_ctrl is None else self.kl_ctrl.value
-                rewards = rewards - coef * kl_tok.sum(-1)
+                kl_pen = coef * kl_tok
+                if self.critic is None:  # a critic's token rewards take it per token (CriticStep)
+                    rewards = rewards - kl_pen.sum(-1)
             if self.kl_ctrl is not None:  # this step's coefficient; the next from this step's KL
                 metrics["kl/coef"] = self.kl_ctrl.value
                 self.kl_ctrl.update(metrics["kl/rollout"], n_steps=len(rewards))
@@ -143,6 +149,43 @@ class GroupUpdate:
         if a.reward_clip:
             metrics["reward/clipped_frac"] = float((rewards.abs() > a.reward_clip).float().mean())
             rewards = clip_rewards(rewards, low=-a.reward_clip, high=a.reward_clip)
+        adv = self._advantages(batch, rewards, kl_pen, group_ids, step, timer, metrics)
+        adv = self._shape_advantages(batch, gens, adv, metrics)
+        if self.critic is not None:
+            adv = self.critic_step.keep(adv)  # AsyPPO's advantage mask survives the whitening
+        metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
+        metrics.update(domain_metrics(domains, task_rewards, gens, adv, mask))
+        if self.roles.offload:
+            with timer("offload"):
+                self.roles.sleep_rollout()
+        if self.critic is not None:
+            with timer("critic_train"):
+                metrics.update(self.critic_step.update(seed=cfg.seed * 7919 + step))
+            if step < cfg.critic.warmup_steps:  # critic warm-up: the policy waits
+                metrics["critic/warmup"] = 1.0
+                return metrics
+        with timer("train"):
+            metrics.update(self.roles.learner.update(batch, adv, ref_lp, seed=cfg.seed * 7919 + step))
+        return metrics
+
+    def _advantages(
+        self,
+        batch: PackedBatch,
+        rewards: torch.Tensor,
+        kl_pen: torch.Tensor | None,
+        group_ids: torch.Tensor,
+        step: int,
+        timer: Timer,
+        metrics: dict[str, float],
+    ) -> torch.Tensor:
+        """``[B, T]`` advantages of the sequence ``rewards`` ``[B]``: the registry estimator, or
+        with a critic GAE over its values (the KL penalty ``kl_pen`` ``[B, T]`` per token)."""
+        mask = batch.response_mask
+        if self.critic is not None:  # PPO / AsyPPO: GAE over the critic's values (trainers.loops.critic_step)
+            self.critic_step = CriticStep(self.cfg, self.critic, batch, group_ids, step)
+            tok = token_level_rewards(rewards, mask, kl=kl_pen, kl_coef=0.0 if kl_pen is None else 1.0)
+            with timer("values"):
+                return self.critic_step.advantages(tok, metrics)
         adv = self.adv_entry.call(
             {
                 "rewards": rewards,
@@ -150,19 +193,10 @@ class GroupUpdate:
                 "response_mask": mask,
                 "response_length": mask.sum(-1),
             },
-            **a.advantage_kwargs,
+            **self.cfg.algorithm.advantage_kwargs,
         )
         adv = adv[0] if isinstance(adv, tuple) else adv
-        adv = (adv[:, None] if adv.dim() == 1 else adv) * mask
-        adv = self._shape_advantages(batch, gens, adv, metrics)
-        metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
-        metrics.update(domain_metrics(domains, task_rewards, gens, adv, mask))
-        if self.roles.offload:
-            with timer("offload"):
-                self.roles.sleep_rollout()
-        with timer("train"):
-            metrics.update(self.roles.learner.update(batch, adv, ref_lp, seed=cfg.seed * 7919 + step))
-        return metrics
+        return (adv[:, None] if adv.dim() == 1 else adv) * mask
 
     def _normalize(self, rewards: torch.Tensor, domains: list[str]) -> torch.Tensor:
         """``algorithm.reward_normalizer`` (running) then ``algorithm.batch_reward_norm`` of

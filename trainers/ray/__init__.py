@@ -1,10 +1,12 @@
 """Ray roles for the reference trainers: placement groups (:mod:`trainers.ray.placement`) and
-the rollout / train / reference / teacher actors with the proxies the trainer talks to
+the rollout / train / reference / critic / teacher actors with the proxies the trainer talks to
 (:mod:`trainers.ray.workers`). See docs/distributed.md. ``ray`` is imported when used."""
 
 from trainers.ray.placement import ActorSlot, BundlePlan, Placement, plan_bundles, plan_teacher
 from trainers.ray.workers import (
     ActorCallError,
+    CriticWorker,
+    RayCritic,
     RayReference,
     RayRequestEngine,
     RayRoles,
@@ -27,7 +29,9 @@ __all__ = [
     "ActorCallError",
     "ActorSlot",
     "BundlePlan",
+    "CriticWorker",
     "Placement",
+    "RayCritic",
     "RayReference",
     "RayRequestEngine",
     "RayRoles",

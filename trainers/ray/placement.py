@@ -10,11 +10,12 @@ Two mappings (``placement.mode``):
 
 * **colocated**: one group of ``max(rollout_workers, train_workers)`` bundles. Train rank ``r``
   and rollout actor ``r`` share bundle ``r`` (the reference, with ``reference="train"``, shares
-  bundle 0); each actor asks for ``1 / k`` of its bundle's CPUs and GPUs (``k`` actors in the
+  bundle 0, and so does the critic); each actor asks for ``1 / k`` of its bundle's CPUs and GPUs (``k`` actors in the
   bundle), so the roles time-share the same devices: the trainer puts the rollout to sleep
   while it trains and wakes it for the weight update (``placement.offload``).
 * **disaggregated**: one group whose bundles are ``rollout_workers`` rollout bundles, then
-  ``train_workers`` train bundles (then a reference bundle with ``reference="separate"``);
+  ``train_workers`` train bundles (then a reference bundle with ``reference="separate"``, and a
+  critic bundle with ``critic="separate"``; with ``"train"`` they share train rank 0's bundle);
   every actor has a whole bundle. ``strategy="STRICT_SPREAD"`` puts every bundle on a
   different node; ``rollout_resources`` / ``train_resources`` add custom node resources to a
   role's bundles (``ray start --resources='{"rollout_node": 1}'``) to pin roles to nodes.
@@ -42,7 +43,7 @@ __all__ = ["ActorSlot", "BundlePlan", "Placement", "plan_bundles", "plan_teacher
 
 MODES = ("colocated", "disaggregated")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-ROLES = ("train", "rollout", "reference", "teacher")
+ROLES = ("train", "rollout", "reference", "critic", "teacher")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ def plan_bundles(
     cpus: float,
     gpus: float,
     reference: str | None = None,
+    critic: str | None = None,
     strategy: str = "",
     rollout_resources: dict[str, float] | None = None,
     train_resources: dict[str, float] | None = None,
@@ -93,6 +95,7 @@ def plan_bundles(
 
     ``reference``: ``None`` (no reference actor), ``"train"`` (in train rank 0's bundle) or
     ``"separate"`` (a bundle of its own when disaggregated; in bundle 0 when colocated).
+    ``critic``: the critic actor (``algorithm.advantage`` gae / asyppo), placed the same way.
     """
     if mode not in MODES:
         raise ValueError(f"placement.mode must be one of {MODES}, got {mode!r}")
@@ -106,8 +109,9 @@ def plan_bundles(
         raise ValueError(f"placement.cpus_per_worker must be > 0, got {cpus}")
     if gpus < 0:
         raise ValueError(f"placement.gpus_per_worker must be >= 0, got {gpus}")
-    if reference not in (None, "train", "separate"):
-        raise ValueError(f"placement.reference must be 'train' or 'separate', got {reference!r}")
+    for name, v in (("placement.reference", reference), ("placement.critic", critic)):
+        if v not in (None, "train", "separate"):
+            raise ValueError(f"{name} must be 'train' or 'separate', got {v!r}")
     strategy = strategy or ("PACK" if mode == "colocated" else "SPREAD")
     if strategy not in STRATEGIES:
         raise ValueError(f"placement.strategy must be one of {STRATEGIES} or '', got {strategy!r}")
@@ -129,6 +133,8 @@ def plan_bundles(
         slots += [("rollout", i, i) for i in range(rollout_workers)]
         if reference is not None:
             slots.append(("reference", 0, 0))
+        if critic is not None:
+            slots.append(("critic", 0, 0))
     else:
         bundles = [bundle(rollout_resources) for _ in range(rollout_workers)]
         bundles += [bundle(train_resources) for _ in range(train_workers)]
@@ -139,6 +145,11 @@ def plan_bundles(
             slots.append(("reference", 0, len(bundles) - 1))
         elif reference == "train":
             slots.append(("reference", 0, rollout_workers))
+        if critic == "separate":
+            bundles.append(bundle(train_resources))
+            slots.append(("critic", 0, len(bundles) - 1))
+        elif critic == "train":
+            slots.append(("critic", 0, rollout_workers))
     occupants = [sum(1 for _, _, b in slots if b == i) for i in range(len(bundles))]
     actors = [
         ActorSlot(role, idx, b, _share(cpus, occupants[b]), _share(gpus, occupants[b]) if gpus else 0.0)

@@ -58,7 +58,8 @@ from typing import Any
 import torch
 
 from rollkit.losses.distill import gather_topk_logprobs
-from trainers.config import Config
+from trainers.config import Config, critic_needed
+from trainers.critic import build_critic
 from trainers.deps import require
 from trainers.engines.base import Generation, PackedBatch, SamplingParams, batch_logprobs
 from trainers.engines.build import (
@@ -75,6 +76,8 @@ from trainers.models import char_tokenizer, default_model_path
 from trainers.ray.placement import Placement, plan_bundles, plan_teacher
 
 __all__ = [
+    "CriticWorker",
+    "RayCritic",
     "RayReference",
     "RayRequestEngine",
     "RayRoles",
@@ -351,6 +354,43 @@ class ReferenceWorker:
             top_k=top_k,
             top_p=top_p,
         )
+
+    def node_id(self) -> str:
+        return _node_id()
+
+
+class CriticWorker:
+    """The critic role (:class:`trainers.critic.LocalCritic`, its ``K`` critics) in an actor."""
+
+    def __init__(self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int) -> None:
+        _setup_process(threads)
+        policy = None if cfg.critic.model_path else _model(cfg, model, tokenizer)[0]
+        self.critic = build_critic(cfg, policy=policy, device=device)
+
+    def num_critics(self) -> int:
+        return self.critic.num_critics
+
+    def values(self, batch: PackedBatch) -> torch.Tensor:
+        return self.critic.values(batch)
+
+    def update(
+        self,
+        batch: PackedBatch,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        shards: torch.Tensor | None,
+        seed: int,
+    ) -> dict[str, float]:
+        return self.critic.update(batch, old_values, returns, shards, seed=seed)
+
+    def save_model(self, path: str, tokenizer: Any) -> str:
+        return str(self.critic.save_model(path, tokenizer))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.critic.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.critic.load_state_dict(state)
 
     def node_id(self) -> str:
         return _node_id()
@@ -764,6 +804,41 @@ class RayReference:
         return call(self.actor.node_id.remote(), f"{self.what} (node_id)", self.timeout_s)
 
 
+class RayCritic:
+    """The critic actor behind the :class:`trainers.critic.Critic` interface; every call has the
+    ``ray.timeout_s`` deadline (a hung or dead actor is an :class:`ActorCallError` naming it)."""
+
+    what = "critic actor"
+
+    def __init__(self, actor: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.actor, self.timeout_s = actor, timeout_s
+        self.num_critics = int(self._call(actor.num_critics.remote(), "num_critics"))
+
+    def _call(self, ref: Any, what: str) -> Any:
+        return call(ref, f"{self.what} ({what})", self.timeout_s)
+
+    def values(self, batch: PackedBatch) -> torch.Tensor:
+        return self._call(self.actor.values.remote(batch), "values")
+
+    def update(
+        self, batch: PackedBatch, old_values: torch.Tensor, returns: torch.Tensor, shards: Any, *, seed: int
+    ) -> dict[str, float]:
+        return self._call(self.actor.update.remote(batch, old_values, returns, shards, seed), "update")
+
+    def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
+        """The critic written by the actor, on its node (a shared filesystem puts it here)."""
+        return Path(self._call(self.actor.save_model.remote(str(path), tokenizer), "save_model"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call(self.actor.state_dict.remote(), "state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._call(self.actor.load_state_dict.remote(state), "load_state_dict")
+
+    def node_id(self) -> str:
+        return self._call(self.actor.node_id.remote(), "node_id")
+
+
 class RayTeacher(RayReference):
     """The teacher actor behind ``batch_logprobs`` / ``batch_topk_logprobs`` (every call with the
     deadline ``timeout_s``); :meth:`close` kills it and frees its placement group."""
@@ -811,6 +886,7 @@ class RayRoles:
     tokenizer: Any
     placement: Placement
     actors: list[Any] = field(default_factory=list)
+    critic: RayCritic | None = None
 
     def close(self) -> None:
         """Kill every actor and free the placement group, whatever state the actors are in
@@ -861,6 +937,7 @@ def build_ray_roles(
         cpus=p.cpus_per_worker,
         gpus=_gpus(cfg),
         reference=p.reference if reference else None,
+        critic=p.critic if critic_needed(cfg) else None,
         strategy=p.strategy,
         rollout_resources=p.rollout_resources,
         train_resources=p.train_resources,
@@ -884,15 +961,16 @@ def build_ray_roles(
         workers = [start(TrainWorker, s, s.index, len(train_slots)) for s in train_slots]
         rollouts = [start(RolloutWorker, s, model_ref, tokenizer) for s in plan.slots("rollout")]
         ref_actor = [start(ReferenceWorker, s, model_ref, tokenizer) for s in plan.slots("reference")]
+        critic_actor = [start(CriticWorker, s, model_ref, tokenizer) for s in plan.slots("critic")]
         # starting: the actors' processes, constructors and model loads, the process group
         t, setting = cfg.ray.startup_timeout_s, "ray.startup_timeout_s"
         addr, port = call(workers[0].address.remote(), "train rank 0 (address)", t, setting)
         setup = [w.setup.remote(model_ref, tokenizer, addr, port) for w in workers]
         call(setup, [f"train rank {r} (setup)" for r in range(len(workers))], t, setting)
-        names = [f"rollout actor {i} (start)" for i in range(len(rollouts))] + [
-            "reference actor (start)"
-        ] * len(ref_actor)
-        call([a.node_id.remote() for a in rollouts + ref_actor], names, t, setting)  # constructors done
+        names = [f"rollout actor {i} (start)" for i in range(len(rollouts))]
+        names += ["reference actor (start)"] * len(ref_actor) + ["critic actor (start)"] * len(critic_actor)
+        starting = rollouts + ref_actor + critic_actor
+        call([a.node_id.remote() for a in starting], names, t, setting)  # constructors done
     except BaseException:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -907,6 +985,7 @@ def build_ray_roles(
         tokenizer=tokenizer,
         placement=placement,
         actors=actors,
+        critic=RayCritic(critic_actor[0], timeout_s=cfg.ray.timeout_s) if critic_actor else None,
     )
 
 

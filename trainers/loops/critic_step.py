@@ -1,0 +1,106 @@
+"""A step's critic work inside :class:`~trainers.loops.update.GroupUpdate`: values, GAE, AsyPPO's
+masks, the value update.
+
+With ``algorithm.advantage=gae`` (PPO with a learned critic) or ``asyppo`` (AsyPPO's mini-critics)
+the group update asks the critic role for the batch's values and trains on::
+
+    V      = critic.values(batch)                        [K, B, T]   (K = 1 for gae)
+    r      = token_level_rewards(scores, mask, kl=KL penalty)   the score on the last token,
+                                                          - coef * KL_t per token (kl.mode=reward)
+    gae:    A, R = gae_advantages(r, V[0], mask, gamma, lam)
+    asyppo: A, R, keep_A, keep_H = asyppo_advantages(r, V, mask, gamma, lam, k, h)
+            (GAE over the critics' mean; A masked where they agree most; the entropy bonus
+            dropped where they disagree most: batch.entropy_keep)
+    critic.update(batch, V, R, shards)                   each critic on its shard (AsyPPO), else all
+
+``scores`` are the sequence rewards after the overlong penalty, the reward normalisation and
+the clip (the KL penalty enters per token instead of summed into the score). The advantages then
+go through the group update's max-length mask, whitening and clip like every estimator's.
+
+Stale samples (the asynchronous trainer) meet the critic as they meet the proximal policy: the
+values are computed now, by the current critic, on the tokens as sampled, so the critic's
+targets and its clipping are on-critic whatever the policy lag; the policy's side of the lag is
+the proximal recompute / correction of the group update (docs/ppo.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollkit.advantages import gae_advantages
+from rollkit.critics import asyppo_advantages, critic_shards
+from rollkit.ops import explained_variance, masked_whiten
+from trainers.config import Config
+from trainers.engines.base import PackedBatch
+
+__all__ = ["GAE_KWARGS", "CriticStep"]
+
+#: the ``algorithm.advantage_kwargs`` the critic path takes
+GAE_KWARGS = ("gamma", "lam")
+
+
+class CriticStep:
+    """One batch's values, advantages and value update (module docstring)."""
+
+    def __init__(
+        self, cfg: Config, critic: Any, batch: PackedBatch, group_ids: torch.Tensor, step: int
+    ) -> None:
+        self.cfg, self.critic, self.batch, self.group_ids, self.step = cfg, critic, batch, group_ids, step
+        self.old_values: torch.Tensor | None = None
+        self.returns: torch.Tensor | None = None
+        self.shards: torch.Tensor | None = None
+        # AsyPPO: [B, T] the tokens whose advantage is kept; reapply after whitening (shape)
+        self.advantage_keep: torch.Tensor | None = None
+
+    def advantages(self, rewards: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        """``[B, T]`` advantages of the batch from its per-token ``rewards`` ``[B, T]``
+        (:func:`rollkit.rewards.token_level_rewards`; the agentic loop: each turn's reward on its
+        last action token); ``critic/*`` (and ``asyppo/*``) into ``metrics``."""
+        cfg, b = self.cfg, self.batch
+        mask = b.response_mask
+        gamma, lam = (
+            float(cfg.algorithm.advantage_kwargs.get(k, d)) for k, d in (("gamma", 1.0), ("lam", 0.95))
+        )
+        values = self.critic.values(b)  # [K, B, T]
+        self.old_values = values
+        K = values.shape[0]
+        if K == 1:
+            adv, ret = gae_advantages(rewards, values[0], mask, gamma=gamma, lam=lam)
+            v = values[0]
+            if cfg.critic.whiten_advantages and int(mask.sum()) >= 2:
+                adv = masked_whiten(adv, mask)
+        else:
+            k = cfg.critic
+            out = asyppo_advantages(
+                rewards, values, mask, gamma=gamma, lam=lam,
+                advantage_mask_frac=k.advantage_mask_frac, entropy_filter_frac=k.entropy_filter_frac,
+            )  # fmt: skip
+            adv, ret, v = out.advantages, out.returns, out.values
+            b.entropy_keep, self.advantage_keep = out.entropy_keep, out.advantage_keep
+            kept = mask & out.advantage_keep
+            if k.whiten_advantages and int(kept.sum()) >= 2:  # over the tokens that keep an advantage
+                adv = masked_whiten(adv, kept)
+            metrics.update({f"asyppo/{n}": float(x) for n, x in out.metrics.items()})
+            self.shards = critic_shards(
+                self.group_ids, K, level=cfg.critic.shard_level, seed=cfg.seed * 7919 + self.step
+            )
+        self.returns = ret
+        sel = mask
+        n = sel.sum().clamp(min=1)
+        metrics["critic/values_mean"] = float(v[sel].sum() / n)
+        metrics["critic/returns_mean"] = float(ret[sel].sum() / n)
+        metrics["critic/explained_variance"] = float(explained_variance(v, ret, sel))
+        return adv * mask
+
+    def keep(self, adv: torch.Tensor) -> torch.Tensor:
+        """``adv`` with AsyPPO's masked tokens at 0 again (after whitening moved them); as is
+        for one critic."""
+        return adv if self.advantage_keep is None else adv * self.advantage_keep
+
+    def update(self, *, seed: int) -> dict[str, float]:
+        """The value update towards this step's returns (after :meth:`advantages`)."""
+        if self.old_values is None or self.returns is None:
+            raise RuntimeError("CriticStep.update: call advantages() first")
+        return self.critic.update(self.batch, self.old_values, self.returns, self.shards, seed=seed)
