@@ -146,10 +146,40 @@ def value_model(policy: Any = None, *, path: str = "", dtype: torch.dtype = torc
     return model.to(dtype)
 
 
-def _forward_module(engine: Any) -> Any:
-    """The module a train engine's forward runs (a DeepSpeed engine, else the model)."""
-    ds = getattr(engine, "engine", None)
-    return engine.model if ds is None else ds
+def _decoder_and_head(engine: Any) -> tuple[Any, Any]:
+    """A critic engine's decoder and value head (through a peft wrapper; a DeepSpeed engine's
+    module: ZeRO-3 gathers per submodule, so calling them directly is safe)."""
+    model = engine.model
+    if is_lora(model):
+        model = model.get_base_model()
+    return model.base_model, model.score
+
+
+def _head_outputs(engine: Any, input_ids: Tensor, attention_mask: Tensor, T: int, *, share: bool) -> Tensor:
+    """``[B, T, 1]`` the value head at positions ``P - 1 .. P + T - 2``. With ``share`` and fewer
+    distinct prompts than rows, each distinct prompt runs once with the KV cache on and the
+    responses run on the gathered cache (the prompt sharing of
+    :func:`trainers.engines.torch_train.response_logits`: same values and gradients up to float
+    rounding, the prompt at ``U / B`` of the cost); else one forward over ``[B, P + T]``."""
+    decoder, head = _decoder_and_head(engine)
+    B, L = input_ids.shape
+    P = L - T
+    pos = position_ids_from_mask(attention_mask)
+    if share and B > 1:
+        prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], 1)
+        uniq, inv = torch.unique(prompts, dim=0, return_inverse=True)
+        if uniq.shape[0] < B:
+            p_ids, p_mask = uniq[:, :P], uniq[:, P:].to(attention_mask.dtype)
+            first = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids_from_mask(p_mask),
+                            use_cache=True)  # fmt: skip
+            cache = first.past_key_values
+            cache.batch_select_indices(inv)  # [U, ...] -> [B, ...], a differentiable gather
+            rest = decoder(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=pos[:, P:],
+                           past_key_values=cache, use_cache=True)  # fmt: skip
+            h = torch.cat([first.last_hidden_state[inv, -1:], rest.last_hidden_state[:, :-1]], dim=1)
+            return head(h)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+    return head(out.last_hidden_state[:, P - 1 : L - 1])
 
 
 def response_values(
@@ -160,7 +190,8 @@ def response_values(
 ) -> Tensor:  # [B, T] float32
     """``[B, T]`` float32 values of the response tokens (module docstring), 0 where
     ``response_mask`` is False; with gradients unless called under ``torch.no_grad()``.
-    Response columns past the longest response of these rows are not computed."""
+    Response columns past the longest response of these rows are not computed; the rows'
+    shared prompts run once (the engine's ``share_prompts``, off under gradient checkpointing)."""
     B, L = input_ids.shape
     T = response_mask.shape[1]
     if response_mask.shape[0] != B or T >= L:
@@ -174,11 +205,9 @@ def response_values(
     dev = torch.device(getattr(engine, "device", "cpu"))
     autocast = getattr(engine, "autocast", None)
     ids, att = input_ids[:, :cut].to(dev), attention_mask[:, :cut].to(dev)
+    share = getattr(engine, "share_prompts", True) and not getattr(engine, "_ckpt", False)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        out = _forward_module(engine)(
-            input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att)
-        )
-    v = out.logits[:, cut - T_used - 1 : cut - 1, 0].float()
+        v = _head_outputs(engine, ids, att, T_used, share=share)[..., 0].float()
     v = torch.nn.functional.pad(v, (0, T - T_used))
     return v.masked_fill(~response_mask.to(v.device, torch.bool), 0.0).cpu()
 

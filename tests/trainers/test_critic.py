@@ -340,3 +340,17 @@ def test_critic_settings_without_a_critic_are_refused():
     cfg = load_config(["--model", "tiny", "critic.warmup_steps=2"])
     with pytest.raises(ValueError, match=r"critic\.warmup_steps.*trains no critic"):
         validate(cfg)
+
+
+def test_prompt_sharing_gives_the_same_values_and_gradients(tok):
+    b = _batch()  # two distinct prompts, two rows each
+    out = []
+    for share in (True, False):
+        critic = value_model(tiny_qwen2(tok, seed=2))
+        torch.nn.init.normal_(critic.score.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+        eng = TorchTrainEngine(critic, share_prompts=share)
+        v = response_values(eng, b.input_ids, b.attention_mask, b.response_mask)
+        (v * torch.arange(12.0).view(4, 3)).sum().backward()
+        out.append((v.detach(), torch.cat([p.grad.flatten() for p in critic.parameters()])))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-5)
+    assert torch.allclose(out[0][1], out[1][1], rtol=1e-4, atol=1e-4), (out[0][1] - out[1][1]).abs().max()

@@ -33,6 +33,7 @@ from trainers.loops.collect import Group, ray_request_engines
 from trainers.loops.common import (
     Timer,
     loop_state,
+    memory_metrics,
     read_checkpoint,
     restore_loop_state,
     run_fit,
@@ -218,6 +219,7 @@ class AsyncTrainer:
         metrics["throughput/rollout_tokens_per_s"] = generated / max(metrics["time/step"], 1e-9)
         metrics.update(self.roles.reward_metrics())
         metrics.update(self.roles.rollout_metrics())
+        metrics.update(memory_metrics())
         return metrics
 
     def _batch_metrics(self, groups: list[tuple], batch: Any, stats: dict[str, Any]) -> dict[str, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import random
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -77,6 +78,16 @@ class Codec:
 
 
 # --------------------------------------------------------------------------- checkpoints
+
+
+def memory_metrics() -> dict[str, float]:
+    """``memory/peak_rss_mib``: this process's peak resident memory so far (``ru_maxrss``; the
+    in-process roles, not Ray actors or reward workers), and on CUDA
+    ``memory/cuda_peak_allocated_mib`` (``torch.cuda.max_memory_allocated``)."""
+    out = {"memory/peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["memory/cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
 
 
 def write_checkpoint(state: dict[str, Any], root: str | Path, step: int) -> Path:

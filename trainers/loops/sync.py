@@ -22,6 +22,7 @@ from trainers.loops.collect import GroupCollector, TailCollector
 from trainers.loops.common import (
     Timer,
     loop_state,
+    memory_metrics,
     read_checkpoint,
     restore_loop_state,
     run_fit,
@@ -102,6 +103,7 @@ class SyncTrainer:
         metrics["throughput/rollout_tokens_per_s"] = sum(lengths) / max(timer.t["rollout"], 1e-9)
         metrics.update(self.roles.reward_metrics())
         metrics.update(self.roles.rollout_metrics())
+        metrics.update(memory_metrics())
         return metrics
 
     def evaluate(self, prompts: list[Prompt] | None = None) -> dict[str, float]:
