@@ -160,11 +160,15 @@ def _head_outputs(engine: Any, input_ids: Tensor, attention_mask: Tensor, T: int
     distinct prompts than rows, each distinct prompt runs once with the KV cache on and the
     responses run on the gathered cache (the prompt sharing of
     :func:`trainers.engines.torch_train.response_logits`: same values and gradients up to float
-    rounding, the prompt at ``U / B`` of the cost); else one forward over ``[B, P + T]``."""
-    decoder, head = _decoder_and_head(engine)
+    rounding, the prompt at ``U / B`` of the cost); else one forward over ``[B, P + T]`` (always
+    on an engine with ``root_forward_only``, FSDP2, whose submodules cannot run on their own)."""
     B, L = input_ids.shape
     P = L - T
     pos = position_ids_from_mask(attention_mask)
+    if getattr(engine, "root_forward_only", False):  # FSDP2: the root's forward unshards the parameters
+        out = engine.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+        return out.logits[:, P - 1 : L - 1]
+    decoder, head = _decoder_and_head(engine)
     if share and B > 1:
         prompts = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], 1)
         uniq, inv = torch.unique(prompts, dim=0, return_inverse=True)

@@ -354,3 +354,47 @@ def test_prompt_sharing_gives_the_same_values_and_gradients(tok):
         out.append((v.detach(), torch.cat([p.grad.flatten() for p in critic.parameters()])))
     assert torch.allclose(out[0][0], out[1][0], atol=1e-5)
     assert torch.allclose(out[0][1], out[1][1], rtol=1e-4, atol=1e-4), (out[0][1] - out[1][1]).abs().max()
+
+
+@pytest.mark.parametrize(("other", "stage"), [("deepspeed", 0), ("deepspeed", 3), ("fsdp2", 0)])
+def test_sharded_critic_engines_equal_the_torch_critic(tok, tmp_path, other, stage):
+    """critic.engine=deepspeed (ZeRO-3: every parameter partitioned, the decoder and head gathered
+    per submodule) and fsdp2 (the whole model's forward) give the torch critic's values, and after
+    one value update its values, to the DeepSpeed engine tests' Adam tolerance; the saved critic
+    loads back."""
+    pytest.importorskip(f"trainers.engines.{'deepspeed' if other == 'deepspeed' else 'fsdp2'}_train")
+    if other == "deepspeed":
+        pytest.importorskip("deepspeed")
+    b = _batch()
+    ret = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0], [2.0, 2.0, 2.0]]) * b.response_mask
+    out = {}
+    for engine in ("torch", other):
+        cfg = load_config(
+            [*BASE, "algorithm.advantage=gae", f"critic.engine={engine}", f"train.zero_stage={stage}"]
+        )
+        critic = build_critic(cfg, policy=tiny_qwen2(tok, seed=0))
+        v0 = critic.values(b)
+        critic.update(b, v0, ret, None, seed=0)
+        out[engine] = (v0, critic.values(b), critic.save_model(tmp_path / f"{engine}{stage}", tok))
+    assert torch.allclose(out["torch"][0], out[other][0], atol=1e-6)
+    assert torch.allclose(out["torch"][1], out[other][1], atol=1e-4)
+    loaded = LocalCritic([TorchTrainEngine(value_model(path=str(out[other][2])))], CriticSpec())
+    assert torch.allclose(loaded.values(b), out[other][1], atol=1e-5)
+
+
+def test_the_placement_plan_places_the_critic():
+    from trainers.ray import plan_bundles
+
+    kw = dict(rollout_workers=1, train_workers=2, cpus=2.0, gpus=0.0)
+    colo = plan_bundles("colocated", critic="train", **kw)
+    assert [(a.bundle, a.num_cpus) for a in colo.slots("critic")] == [(0, 2.0 / 3)]
+    sep = plan_bundles("disaggregated", critic="separate", reference="separate", **kw)
+    assert (
+        len(sep.bundles) == 5
+        and sep.slots("critic")[0].bundle == 4
+        and sep.slots("critic")[0].num_cpus == 2.0
+    )
+    shared = plan_bundles("disaggregated", critic="train", **kw)
+    assert shared.slots("critic")[0].bundle == shared.slots("train")[0].bundle == 1
+    with pytest.raises(ValueError, match=r"placement\.critic"):
+        plan_bundles("colocated", critic="gpu0", **kw)

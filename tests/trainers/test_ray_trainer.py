@@ -27,7 +27,7 @@ import torch
 from _tiny_rl import RL_OVERRIDES, fit_and_check_learning
 
 from trainers.config import load_config
-from trainers.engines import SamplingParams, TorchTrainEngine, pack_generations
+from trainers.engines import Generation, SamplingParams, TorchTrainEngine, pack_generations
 from trainers.learner import LocalLearner, UpdateSpec, supervised_warmup
 from trainers.loops import SyncTrainer
 from trainers.loops.lengths import LengthSampler
@@ -459,4 +459,38 @@ def test_async_close_after_a_rollout_actor_died_frees_everything(cluster, tok, w
     for pid in pool_pids:  # the reward workers are gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert _no_leaks()
+
+
+def test_the_ray_critic_equals_the_in_process_one_and_trains_in_the_loop(cluster, tok, warm_model, tmp_path):
+    """The critic actor's values and one value update equal the in-process critic's on the same
+    batch; then a PPO step on Ray (colocated: the critic in train rank 0's bundle) trains it and
+    the run saves it."""
+    from trainers.critic import build_critic
+    from trainers.ray.workers import CriticWorker, RayCritic
+
+    cfg = load_config([*BASE, "algorithm.advantage=gae", "critic.lr=1e-3", f"logging.dir={tmp_path / 'run'}",
+                       "train.steps=1", "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4"])  # fmt: skip
+    local = build_critic(cfg, policy=copy.deepcopy(warm_model))
+    actor = ray.remote(CriticWorker).options(num_cpus=1).remote(cfg, copy.deepcopy(warm_model), tok, "cpu", 1)
+    try:
+        remote = RayCritic(actor, timeout_s=120)
+        assert remote.num_critics == 1
+        gens = [Generation(i // 2, [3, 4, 5 + i // 2], [6 + i, 7], [-1.0, -1.0], "stop") for i in range(4)]
+        b = pack_generations(gens, 0)
+        v_l, v_r = local.values(b), remote.values(b)
+        assert torch.allclose(v_l, v_r, atol=1e-6)
+        ret = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [0.5, 0.5]])
+        m_l = local.update(b, v_l, ret, None, seed=5)
+        m_r = remote.update(b, v_r, ret, None, seed=5)
+        assert m_l["critic/value_loss"] == pytest.approx(m_r["critic/value_loss"], abs=1e-6)
+        assert torch.allclose(local.values(b), remote.values(b), atol=1e-5)
+    finally:
+        ray.kill(actor, no_restart=True)
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+        assert isinstance(tr.roles.critic, RayCritic)
+        out = tr.fit()
+    row = next(r for r in out["history"] if "critic/value_loss" in r)
+    assert row["critic/grad_norm"] > 0 and "critic/explained_variance" in row
+    assert (tmp_path / "run" / "critic" / "config.json").is_file()
     assert _no_leaks()

@@ -204,6 +204,10 @@ class FSDP2TrainEngine:
     :meth:`state_dict`, :meth:`load_state_dict`.
     """
 
+    #: the root module's forward unshards the parameters: callers (a critic's values) must run
+    #: the whole model, not its decoder or head on their own
+    root_forward_only = True
+
     def __init__(
         self,
         model: Any,
