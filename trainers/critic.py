@@ -41,6 +41,7 @@ from trainers.deps import require
 from trainers.engines.base import PackedBatch, TrainEngine, position_ids_from_mask
 from trainers.engines.build import build_model, make_train_engine, parse_dtype
 from trainers.engines.lora import is_lora
+from trainers.engines.torch_train import used_response_width
 from trainers.learner import UpdateStats, micro_batches
 from trainers.models import save_model
 
@@ -166,7 +167,9 @@ def _head_outputs(engine: Any, input_ids: Tensor, attention_mask: Tensor, T: int
     P = L - T
     pos = position_ids_from_mask(attention_mask)
     if getattr(engine, "root_forward_only", False):  # FSDP2: the root's forward unshards the parameters
-        out = engine.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+        out = engine.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False
+        )
         return out.logits[:, P - 1 : L - 1]
     decoder, head = _decoder_and_head(engine)
     if share and B > 1:
@@ -196,15 +199,8 @@ def response_values(
     ``response_mask`` is False; with gradients unless called under ``torch.no_grad()``.
     Response columns past the longest response of these rows are not computed; the rows'
     shared prompts run once (the engine's ``share_prompts``, off under gradient checkpointing)."""
-    B, L = input_ids.shape
-    T = response_mask.shape[1]
-    if response_mask.shape[0] != B or T >= L:
-        raise ValueError(
-            f"response_mask {list(response_mask.shape)} does not fit input_ids {[B, L]} "
-            "(the response is the last T columns, after at least one prompt token)"
-        )
-    used = response_mask.any(0).nonzero()
-    T_used = int(used[-1]) + 1 if len(used) else 1
+    L = input_ids.shape[1]
+    T, T_used = used_response_width(input_ids, response_mask)
     cut = L - T + T_used  # trailing columns no row uses: causal, so nothing else changes
     dev = torch.device(getattr(engine, "device", "cpu"))
     autocast = getattr(engine, "autocast", None)

@@ -2,7 +2,7 @@
 
 Each scenario runs a trainer on the tiny Qwen2 for a few steps from fixed seeds and reduces the
 run to a *fingerprint*: the sha256 of the final weights (names, dtypes and bytes) and the
-per-step metrics (every metric but the wall-clock ``time/*`` and ``throughput/*`` ones, as exact
+per-step metrics (every metric but the wall-clock ``time/*``, ``throughput/*`` and ``memory/*`` ones, as exact
 floats). ``fingerprints.json`` holds the fingerprints recorded before the trainer layer was
 redesigned; the redesigned code must give the same ones, bit for bit.
 
@@ -76,7 +76,7 @@ def weights_sha(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/"))} for r in rows]
+    return [{k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/", "memory/"))} for r in rows]
 
 
 def _engines(cfg, seed: int = 0):

@@ -40,7 +40,14 @@ from trainers.engines.base import position_ids_from_mask
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.models import save_model
 
-__all__ = ["TorchTrainEngine", "response_hidden", "response_logits", "response_logprobs", "token_logprobs"]
+__all__ = [
+    "TorchTrainEngine",
+    "response_hidden",
+    "response_logits",
+    "response_logprobs",
+    "token_logprobs",
+    "used_response_width",
+]
 
 
 def token_logprobs(
@@ -154,6 +161,23 @@ def response_hidden(
     return out.last_hidden_state[:, L - T - 1 : L - 1], get_head()
 
 
+def used_response_width(input_ids: Tensor, response_mask: Tensor) -> tuple[int, int]:
+    """``(T, T_used)``: the response width of ``response_mask`` ``[B, T]`` (checked against
+    ``input_ids`` ``[B, L]``: the response is the last ``T`` columns, after at least one prompt
+    token) and the columns up to the last one any row uses (at least 1). The trailing unused
+    columns (a micro-batch of short responses in a batch padded to a longer one) can be cut
+    before a forward and restored as zeros: the other positions do not attend to them (causal)."""
+    B, L = input_ids.shape
+    T = response_mask.shape[1]
+    if response_mask.shape[0] != B or T >= L:
+        raise ValueError(
+            f"response_mask {list(response_mask.shape)} does not fit input_ids {[B, L]} "
+            "(the response is the last T columns, after at least one prompt token)"
+        )
+    used = response_mask.any(0).nonzero()
+    return T, int(used[-1]) + 1 if len(used) else 1
+
+
 def _lean_matmul_dtype(autocast: torch.dtype | None, hidden_dtype: torch.dtype) -> torch.dtype | None:
     """The lean path's matmul precision: the plain path's (the autocast dtype, else the hidden
     states' own bf16 / fp16; ``None``, float32, otherwise)."""
@@ -202,19 +226,9 @@ def response_logprobs(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    B, L = input_ids.shape
-    T = response_mask.shape[1]
-    if response_mask.shape[0] != B or T >= L:
-        raise ValueError(
-            f"response_mask {list(response_mask.shape)} does not fit input_ids {[B, L]} "
-            "(the response is the last T columns, after at least one prompt token)"
-        )
+    L = input_ids.shape[1]
+    T, T_used = used_response_width(input_ids, response_mask)
     dev = torch.device(device)
-    # Trailing response columns that no row uses (the batch was padded to a longer response
-    # than this micro-batch's longest) are cut before the forward and restored as zeros: the
-    # other positions do not attend to them (causal), so nothing else changes.
-    used = response_mask.any(0).nonzero()
-    T_used = int(used[-1]) + 1 if len(used) else 1
     if T_used < T:
         out = response_logprobs(
             model,
