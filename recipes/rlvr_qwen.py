@@ -14,6 +14,7 @@ its matmuls are fast). Measured: about 3 minutes in all (6-7 s per step, held-ou
     python recipes/rlvr_qwen.py --help        # every field, its type and default
     python recipes/rlvr_qwen.py asynchronous.enabled=true asynchronous.ratio=2   # ROLL Flash async (docs/async.md)
     python recipes/rlvr_qwen.py tail_batching.enabled=true   # RollPacker tail batching (docs/scheduling.md)
+    python recipes/rlvr_qwen.py algorithm.advantage=gae critic.lr=1e-4   # PPO with a learned critic (docs/ppo.md)
     python recipes/rlvr_qwen.py --ray         # the roles as Ray actors (local ray.init(), colocated)
     python recipes/rlvr_qwen.py --ray-address auto placement.mode=disaggregated   # a running cluster
     python recipes/rlvr_qwen.py --model /ckpt/Qwen2.5-7B --data train.parquet --rollout vllm --train deepspeed
