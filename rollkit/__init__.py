@@ -29,6 +29,7 @@ _SUBMODULES = (
     "logprobs",
     "losses",
     "ops",
+    "packing",
     "registry",
     "rewards",
     "scheduling",

@@ -204,6 +204,8 @@ _MODULES = [
     "rollkit.losses.entropy",
     "rollkit.losses.value",
     "rollkit.rewards",
+    "rollkit.critics",
+    "rollkit.packing",
     "rollkit.filters",
     "rollkit.ops",
     "rollkit.validation",
