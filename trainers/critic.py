@@ -359,7 +359,8 @@ class LocalCritic:
 
 def build_critic(cfg: Config, policy: Any = None, *, device: str | None = None) -> LocalCritic:
     """The critic of ``cfg`` in this process: :func:`num_critics` value models from
-    ``critic.model_path`` or from ``policy`` (the initial policy model; default: a fresh
+    ``critic.model_path`` (critic ``i`` from its ``critic_<i>`` subdirectory where an AsyPPO run
+    saved one) or from ``policy`` (the initial policy model; default: a fresh
     :func:`~trainers.engines.build.build_model` of ``cfg.model``), each behind its own engine on
     ``device`` (default ``train.device``)."""
     dtype = parse_dtype(cfg.model.dtype)
@@ -368,7 +369,10 @@ def build_critic(cfg: Config, policy: Any = None, *, device: str | None = None) 
         policy, _ = build_model(cfg)
     ccfg = critic_train_config(cfg)
     engines = []
-    for _ in range(num_critics(cfg)):
-        model = value_model(policy, path=k.model_path, dtype=dtype)
+    for i in range(num_critics(cfg)):
+        path = k.model_path
+        if path and (Path(path) / f"critic_{i}").is_dir():  # an AsyPPO run's saved critics
+            path = str(Path(path) / f"critic_{i}")
+        model = value_model(policy, path=path, dtype=dtype)
         engines.append(make_train_engine(ccfg, model, device=device or cfg.train.device, task="value"))
     return LocalCritic(engines, CriticSpec.from_config(cfg), micro_batch_size=cfg.train.micro_batch_size)

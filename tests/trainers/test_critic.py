@@ -152,6 +152,19 @@ def test_critic_saves_and_loads_back(tok, tmp_path):
     assert torch.allclose(again.values(b), critic.values(b), atol=1e-6)
 
 
+def test_asyppo_critics_save_and_load_back_each_its_own(tok, tmp_path):
+    cfg = load_config([*BASE, "algorithm.advantage=asyppo"])
+    critic = build_critic(cfg, policy=tiny_qwen2(tok, seed=0))
+    b = _batch()
+    v = critic.values(b)
+    critic.update(b, v, torch.ones(4, 3) * b.response_mask, torch.tensor([0, 1, 0, 1]), seed=0)
+    path = critic.save_model(tmp_path / "critic", tok)
+    assert sorted(p.name for p in path.iterdir()) == ["critic_0", "critic_1"]
+    again = build_critic(load_config([*BASE, "algorithm.advantage=asyppo", f"critic.model_path={path}"]))
+    assert torch.allclose(again.values(b), critic.values(b), atol=1e-6)
+    assert not torch.allclose(again.values(b)[0], again.values(b)[1])  # trained on different shards
+
+
 def test_lora_critic_trains_adapters_and_head_and_saves_merged(tok, tmp_path):
     pytest.importorskip("peft")
     cfg = load_config([*BASE, "algorithm.advantage=gae", "train.lora_rank=4"])
