@@ -35,10 +35,7 @@ from rollkit.ops import explained_variance, masked_whiten
 from trainers.config import Config
 from trainers.engines.base import PackedBatch
 
-__all__ = ["GAE_KWARGS", "CriticStep"]
-
-#: the ``algorithm.advantage_kwargs`` the critic path takes
-GAE_KWARGS = ("gamma", "lam")
+__all__ = ["CriticStep"]
 
 
 class CriticStep:
@@ -87,11 +84,10 @@ class CriticStep:
                 self.group_ids, K, level=cfg.critic.shard_level, seed=cfg.seed * 7919 + self.step
             )
         self.returns = ret
-        sel = mask
-        n = sel.sum().clamp(min=1)
-        metrics["critic/values_mean"] = float(v[sel].sum() / n)
-        metrics["critic/returns_mean"] = float(ret[sel].sum() / n)
-        metrics["critic/explained_variance"] = float(explained_variance(v, ret, sel))
+        n = mask.sum().clamp(min=1)
+        metrics["critic/values_mean"] = float(v[mask].sum() / n)
+        metrics["critic/returns_mean"] = float(ret[mask].sum() / n)
+        metrics["critic/explained_variance"] = float(explained_variance(v, ret, mask))
         return adv * mask
 
     def keep(self, adv: torch.Tensor) -> torch.Tensor:
