@@ -14,7 +14,7 @@ its matmuls are fast). Measured: about 3 minutes in all (6-7 s per step, held-ou
     python recipes/rlvr_qwen.py --help        # every field, its type and default
     python recipes/rlvr_qwen.py asynchronous.enabled=true asynchronous.ratio=2   # ROLL Flash async (docs/async.md)
     python recipes/rlvr_qwen.py tail_batching.enabled=true   # RollPacker tail batching (docs/scheduling.md)
-    python recipes/rlvr_qwen.py algorithm.advantage=gae critic.lr=1e-4   # PPO with a learned critic (docs/ppo.md)
+    python recipes/rlvr_qwen.py algorithm.advantage=gae   # PPO with a learned critic (docs/ppo.md)
     python recipes/rlvr_qwen.py --ray         # the roles as Ray actors (local ray.init(), colocated)
     python recipes/rlvr_qwen.py --ray-address auto placement.mode=disaggregated   # a running cluster
     python recipes/rlvr_qwen.py --model /ckpt/Qwen2.5-7B --data train.parquet --rollout vllm --train deepspeed
@@ -53,6 +53,7 @@ def recipe_defaults() -> Config:
     cfg.train.steps = 20
     cfg.train.lr = 1e-5
     cfg.train.micro_batch_size = 16
+    cfg.critic.lr = 1e-4  # algorithm.advantage=gae / asyppo: 10x the policy's, as in verl's PPO examples
     # bfloat16 matmuls where they are fast (AMX CPUs, CUDA): rollout weights in bf16, training
     # under autocast with float32 master weights. Elsewhere both stay float32.
     cfg.rollout.dtype = "auto"
