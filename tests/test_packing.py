@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -23,7 +24,38 @@ from rollkit.packing import (
 )
 from rollkit.testing import float_tensors, invalid_masks, masks, non_tensors, shapes
 from rollkit.validation import value_checks
-from trainers.engines.base import pack, position_ids_from_mask
+
+
+class _Padded(NamedTuple):
+    input_ids: torch.Tensor  # [B, P + T]
+    attention_mask: torch.Tensor  # [B, P + T] long
+    response_mask: torch.Tensor  # [B, T] bool
+    prompt_len: int
+
+
+def pack(prompts, responses, pad_token_id, *, response_width=None):
+    """The trainers' padded layout (trainers.engines.base.pack, rebuilt here: the core tests
+    import only rollkit): prompts left-padded to P, responses right-padded to T."""
+    P = max(len(p) for p in prompts)
+    T = max([len(r) for r in responses] + [response_width or 0])
+    B = len(prompts)
+    ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
+    am = torch.zeros((B, P + T), dtype=torch.long)
+    rm = torch.zeros((B, T), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        am[i, P - len(p) : P] = 1
+        if r:
+            ids[i, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+            am[i, P : P + len(r)] = 1
+            rm[i, : len(r)] = True
+    return _Padded(ids, am, rm, P)
+
+
+def position_ids_from_mask(mask):
+    """The trainers' position ids: ``cumsum(mask) - 1`` clamped at 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
 
 # --------------------------------------------------------------------------- references
 
@@ -375,47 +407,3 @@ def test_pack_tokens_keeps_dtype_and_values(x):
     lay = packed_layout(torch.tensor([[True, False, True], [False, True, True]]))
     y = pack_tokens(x, lay)
     assert y.dtype == x.dtype and y[0].tolist() == [x[0, 0], x[0, 2], x[1, 1], x[1, 2]]
-
-
-# --------------------------------------------------------------------------- a tiny Qwen2
-
-
-def test_tiny_qwen2_packed_logits_equal_the_padded_ones():
-    """transformers' Qwen2 (SDPA) with the packed row, layout position ids and a [1, 1, N, N]
-    additive mask from varlen_attention_mask: the logits of every real token, and so the
-    response log-probs, agree with the padded batch's (float32, 1e-5)."""
-    pytest.importorskip("transformers")
-    from trainers.models import char_tokenizer, tiny_qwen2
-
-    tok = char_tokenizer()
-    model = tiny_qwen2(tok, seed=0).eval()
-    g = torch.Generator().manual_seed(0)
-    vocab = len(tok)
-
-    def draw(lo, hi):
-        return torch.randint(4, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-
-    prompts = [draw(1, 9) for _ in range(7)]
-    responses = [draw(0, 8) for _ in range(7)]
-    batch = pack(prompts, responses, tok.pad_token_id)
-    ids, am, rmask, P = batch.input_ids, batch.attention_mask, batch.response_mask, batch.prompt_len
-    with torch.no_grad():
-        padded = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits
-    want_lp = torch.log_softmax(padded[:, P - 1 : -1], -1).gather(-1, ids[:, P:, None])[..., 0]
-
-    bins = pack_bins(am.sum(-1), 24)
-    assert len(bins) > 1
-    for rows in bins:
-        lay = packed_layout(am[rows])
-        allowed = varlen_attention_mask(lay.cu_seqlens, lay.indices.shape[0])
-        additive = torch.zeros(allowed.shape).masked_fill(~allowed, -math.inf)[None, None]
-        pids = pack_tokens(ids[rows], lay)
-        with torch.no_grad():
-            out = model(input_ids=pids, attention_mask=additive, position_ids=lay.position_ids).logits
-        real = am[rows].bool()
-        torch.testing.assert_close(out[0], padded[rows][real], atol=1e-5, rtol=1e-5)
-        pos = response_positions(lay, P, rmask[rows])
-        lp = torch.log_softmax(out[0, pos.clamp(min=0)], -1)
-        lp = lp.gather(-1, pids[0, (pos + 1).clamp(max=pids.shape[1] - 1)][..., None])[..., 0]
-        m = rmask[rows]
-        torch.testing.assert_close(lp[m], want_lp[rows][m], atol=1e-5, rtol=1e-5)
