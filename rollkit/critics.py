@@ -31,10 +31,8 @@ import torch
 from torch import Tensor
 
 from rollkit.advantages.gae import gae_advantages
-from rollkit.keys import ADVANTAGES, RESPONSE_MASK, RETURNS, TOKEN_REWARDS, VALUES
 from rollkit.losses._common import compute_dtype
 from rollkit.ops import group_index
-from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
     InvalidTypeError,
     check_choice,
@@ -387,11 +385,6 @@ class AsyPPOAdvantages(NamedTuple):
     metrics: dict[str, Tensor]
 
 
-@ADVANTAGE_ESTIMATORS.register(
-    "asyppo",
-    in_keys={"token_rewards": TOKEN_REWARDS, "values": VALUES, "mask": RESPONSE_MASK},
-    out_keys=(ADVANTAGES, RETURNS),
-)
 def asyppo_advantages(
     token_rewards: Tensor,  # [B, T] float
     values: Tensor,  # [K, B, T] float: every critic's value at every token

@@ -999,12 +999,13 @@ def _check_common(cfg: Any) -> None:
         )
     _check_registered(
         [
-            ("algorithm.advantage", ADVANTAGE_ESTIMATORS, a.advantage),
             ("algorithm.policy_loss", POLICY_LOSSES, a.policy_loss),
             ("algorithm.aggregation", AGGREGATIONS, a.aggregation),
             ("algorithm.kl.estimator", KL_ESTIMATORS, a.kl.estimator),
         ]
     )
+    if a.advantage != "asyppo":  # AsyPPO (rollkit.critics) is not in the registry: [K, B, T] values
+        _check_registered([("algorithm.advantage", ADVANTAGE_ESTIMATORS, a.advantage)])
     _check_correction(a)
     _check_model_path(cfg.model.path)
 
@@ -1065,7 +1066,7 @@ def _check_correction(a: AlgorithmConfig) -> None:
 def critic_needed(cfg: Any) -> bool:
     """Whether ``cfg.algorithm.advantage`` trains with a learned critic (:data:`CRITIC_ADVANTAGES`)."""
     name = cfg.algorithm.advantage
-    if name in ADVANTAGE_ESTIMATORS:
+    if name != "asyppo" and name in ADVANTAGE_ESTIMATORS:
         name = ADVANTAGE_ESTIMATORS.entry(name).name
     return name in CRITIC_ADVANTAGES
 
@@ -1121,7 +1122,7 @@ def _check_critic(c: Any) -> None:
         v = c.algorithm.advantage_kwargs.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"algorithm.advantage_kwargs.{key} must be a number in [0, 1], got {v!r}")
-    asy = ADVANTAGE_ESTIMATORS.entry(c.algorithm.advantage).name == "asyppo"
+    asy = c.algorithm.advantage == "asyppo"
     if not asy and k.num_critics > 1:
         raise ValueError(
             f"critic.num_critics={k.num_critics}: several mini-critics are AsyPPO's; set algorithm.advantage=asyppo "
@@ -1141,12 +1142,13 @@ def _check_critic(c: Any) -> None:
 def _check_algorithm(c: Config) -> None:
     """The estimator and loss get the tensors they need; group estimators get groups."""
     a = c.algorithm
-    adv = ADVANTAGE_ESTIMATORS.entry(a.advantage)
-    if not critic_needed(c):  # the critic path builds token rewards and values itself
-        _check_inputs("algorithm.advantage", adv, RLVR_ADVANTAGE_INPUTS, "the RLVR trainer")
     _check_inputs(
         "algorithm.policy_loss", POLICY_LOSSES.entry(a.policy_loss), RLVR_LOSS_INPUTS, "the RLVR trainer"
     )
+    if critic_needed(c):  # the critic path builds token rewards and values itself
+        return
+    adv = ADVANTAGE_ESTIMATORS.entry(a.advantage)
+    _check_inputs("algorithm.advantage", adv, RLVR_ADVANTAGE_INPUTS, "the RLVR trainer")
     if c.rollout.n == 1 and "group_ids" in adv.in_keys:
         raise ValueError(
             f"rollout.n=1: algorithm.advantage={a.advantage!r} compares the n samples of each prompt, so with "

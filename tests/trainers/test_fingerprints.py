@@ -76,7 +76,10 @@ def weights_sha(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/", "memory/"))} for r in rows]
+    return [
+        {k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/", "memory/"))}
+        for r in rows
+    ]
 
 
 def _engines(cfg, seed: int = 0):

@@ -52,7 +52,10 @@ CASES = [
     (["rollout.temperature=-1"], r"rollout\.temperature must be > 0"),
     (["rollout.top_p=1.5"], r"rollout\.top_p must be in \(0, 1\]"),
     (["rollout.n=1"], r"rollout\.n=1: algorithm\.advantage='grpo'"),
-    (["algorithm.advantage=gae"], r"algorithm\.advantage='gae' needs \['token_rewards', 'values'\]"),
+    (
+        ["algorithm.advantage=discounted-returns"],
+        r"algorithm\.advantage='discounted-returns' needs \['token_rewards'\]",
+    ),
     (["algorithm.aggregation=mean"], r"algorithm\.aggregation: unknown aggregation mode 'mean'"),
     (["reward.timeout_s=0"], r"reward\.timeout_s must be > 0"),
     (["ray.startup_timeout_s=0"], r"ray\.startup_timeout_s must be > 0"),

@@ -85,7 +85,7 @@ class GroupUpdate:
     def __init__(self, cfg: Config, roles: Roles, pad_id: int) -> None:
         self.cfg, self.roles, self.pad_id = cfg, roles, pad_id
         a = cfg.algorithm
-        self.adv_entry = ADVANTAGE_ESTIMATORS.entry(a.advantage)
+        self.adv_entry = None if a.advantage == "asyppo" else ADVANTAGE_ESTIMATORS.entry(a.advantage)
         self.normalizer = RunningRewardNormalizer() if a.reward_normalizer else None
         self.domain_normalizers: dict[str, RunningRewardNormalizer] = {}  # data.domains: one per domain
         self.kl_ctrl = (
