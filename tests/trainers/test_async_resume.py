@@ -63,7 +63,7 @@ def make(tmp_path, *overrides):
 
 def rows(history):
     return [
-        {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+        {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))}
         for r in history
         if "reward/mean" in r
     ]
@@ -153,7 +153,7 @@ def _same(a, b, where="state") -> None:
 
 def _metric_rows(log: Path) -> list[dict]:
     return [
-        {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+        {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "memory/"))}
         for r in read_metrics(log / "metrics.jsonl")
     ]
 

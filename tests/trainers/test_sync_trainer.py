@@ -131,7 +131,7 @@ def _close(h1, h2):
     assert len(h1) == len(h2)
     for r1, r2 in zip(h1, h2):
         for k in r1:
-            if k.startswith(("time/", "throughput/")):
+            if k.startswith(("time/", "throughput/", "memory/")):
                 continue
             assert r1[k] == pytest.approx(r2[k], rel=1e-5, abs=1e-6), k
     return True

@@ -54,7 +54,7 @@ def make(tmp_path, *overrides, name="run", num_prompts=NUM_PROMPTS, **kw):
 
 def comparable(m: dict) -> dict:
     """A step's metrics without the wall-clock ones."""
-    return {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/"))}
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "throughput/", "memory/"))}
 
 
 def test_every_prompt_trained_once_and_rounds_never_mix(tmp_path):
