@@ -163,8 +163,8 @@ class AgenticTrainer:
             start_method=e.start_method,
             max_batch_size=cfg.rollout.max_batch_size,
         )
-        adv_name = cfg.algorithm.advantage
-        self.adv_entry = None if adv_name == "asyppo" else ADVANTAGE_ESTIMATORS.entry(adv_name)
+        # the registry estimator; none with a critic (GAE over its values, CriticStep)
+        self.adv_entry = None if critic_needed(cfg) else ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
         # algorithm.advantage=gae / asyppo: the learned critic (critic.model_path, or cfg.model afresh)
         self.critic = critic if critic is not None or not critic_needed(cfg) else build_critic(cfg)
         self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)

@@ -38,7 +38,7 @@ from rollkit.rewards import (
     overlong_penalty,
     token_level_rewards,
 )
-from trainers.config import Config
+from trainers.config import Config, critic_needed
 from trainers.domains import domain_masks
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
 from trainers.learner import apply_correction, loss_mask, needs_recompute
@@ -85,7 +85,8 @@ class GroupUpdate:
     def __init__(self, cfg: Config, roles: Roles, pad_id: int) -> None:
         self.cfg, self.roles, self.pad_id = cfg, roles, pad_id
         a = cfg.algorithm
-        self.adv_entry = None if a.advantage == "asyppo" else ADVANTAGE_ESTIMATORS.entry(a.advantage)
+        # the registry estimator; none with a critic (GAE over its values, CriticStep)
+        self.adv_entry = None if critic_needed(cfg) else ADVANTAGE_ESTIMATORS.entry(a.advantage)
         self.normalizer = RunningRewardNormalizer() if a.reward_normalizer else None
         self.domain_normalizers: dict[str, RunningRewardNormalizer] = {}  # data.domains: one per domain
         self.kl_ctrl = (
