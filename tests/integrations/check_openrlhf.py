@@ -19,11 +19,27 @@ root = Path(importlib.util.find_spec("openrlhf").submodule_search_locations[0]) 
 pkg = types.ModuleType("openrlhf.models")
 pkg.__path__ = [str(root)]
 sys.modules["openrlhf.models"] = pkg
-for sub in ("utils", "loss"):
-    spec = importlib.util.spec_from_file_location(f"openrlhf.models.{sub}", root / f"{sub}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+try:
+    for sub in ("utils", "loss"):
+        spec = importlib.util.spec_from_file_location(f"openrlhf.models.{sub}", root / f"{sub}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+except NameError as err:
+    # DeepSpeed 0.19.6's runtime/zero/muon/muon_optimizer.py swallows an ImportError of its
+    # original_muon module (whose import applies torch.compile) and then fails on the missing name.
+    # Show the ImportError it hid, and exit with EX_TEMPFAIL: _venv.run_checker runs this once more.
+    if "BaseMuonWithAuxAdam" not in str(err):
+        raise
+    import traceback
+
+    print(f"deepspeed import failed: {err}; the ImportError it hid:", file=sys.stderr)
+    try:
+        torch.compile(lambda x: x)
+        importlib.import_module("deepspeed.runtime.zero.muon.original_muon")
+    except Exception:
+        traceback.print_exc()
+    sys.exit(75)
 PolicyLoss = sys.modules["openrlhf.models.loss"].PolicyLoss
 
 torch.manual_seed(0)
