@@ -172,6 +172,10 @@ class TrainConfig:
     # > 0: log-probs and entropy without the [B, T, V] logits (rollkit.logprobs.lean_token_logprobs),
     # this many positions per chunk (torch engine; DeepSpeed ZeRO 0-2)
     logprob_chunk_tokens: int = 0
+    # padding-free micro-batches (trainers.engines.packed): each micro-batch's real tokens run as
+    # one packed row, positions and attention per sample; same log-probs and gradients. With
+    # max_tokens_per_micro_batch the budget counts real tokens (first-fit decreasing bins)
+    packing: bool = False
     # LoRA (peft): > 0 trains rank-r adapters only; the rollout gets the merged weights and the
     # saved model is the merged one (trainers.engines.lora). alpha 0: = rank (scale 1)
     lora_rank: int = 0

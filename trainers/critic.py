@@ -41,6 +41,7 @@ from trainers.deps import require
 from trainers.engines.base import PackedBatch, TrainEngine, position_ids_from_mask
 from trainers.engines.build import build_model, make_train_engine, parse_dtype
 from trainers.engines.lora import is_lora
+from trainers.engines.packed import PackedCall, packed_call, scatter_response
 from trainers.engines.torch_train import used_response_width
 from trainers.learner import UpdateStats, micro_batches
 from trainers.models import save_model
@@ -76,6 +77,7 @@ class CriticSpec:
     micro_batch_size: int = 8
     sort_by_length: bool = False
     max_tokens_per_micro_batch: int = 0
+    packing: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> CriticSpec:
@@ -88,6 +90,7 @@ class CriticSpec:
             micro_batch_size=t.micro_batch_size,
             sort_by_length=t.sort_by_length,
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            packing=t.packing,
         )
 
 
@@ -207,9 +210,22 @@ def response_values(
     ids, att = input_ids[:, :cut].to(dev), attention_mask[:, :cut].to(dev)
     share = getattr(engine, "share_prompts", True) and not getattr(engine, "_ckpt", False)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        v = _head_outputs(engine, ids, att, T_used, share=share)[..., 0].float()
+        if getattr(engine, "packing", False):
+            call = packed_call(engine.model, ids, att, response_mask[:, :T_used].to(dev))
+            v = scatter_response(_packed_head_outputs(engine, call)[..., 0].float(), call)
+        else:
+            v = _head_outputs(engine, ids, att, T_used, share=share)[..., 0].float()
     v = torch.nn.functional.pad(v, (0, T - T_used))
     return v.masked_fill(~response_mask.to(v.device, torch.bool), 0.0).cpu()
+
+
+def _packed_head_outputs(engine: Any, call: PackedCall) -> Tensor:  # [1, M, 1]
+    """The value head at the ``M`` packed positions that predict a response token
+    (:mod:`trainers.engines.packed`): one forward of the packed row."""
+    if getattr(engine, "root_forward_only", False):  # FSDP2: the root's forward unshards the parameters
+        return engine.model(**call.kwargs).logits[:, call.keep]
+    decoder, head = _decoder_and_head(engine)
+    return head(decoder(**call.kwargs).last_hidden_state[:, call.keep])
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ import torch
 
 from rollkit.correction import correction_weights, mismatch_stats, reduce_mismatch_stats
 from rollkit.losses import aggregate, global_normalizers
+from rollkit.packing import pack_bins
 from rollkit.registry import POLICY_LOSSES, REGULARIZERS, Entry
 from trainers.config import Config
 from trainers.data import Prompt, encode_prompt
@@ -60,6 +61,7 @@ class UpdateSpec:
     micro_batch_size: int = 8
     sort_by_length: bool = False  # micro-batches of similar response lengths (less padding)
     max_tokens_per_micro_batch: int = 0  # > 0: pack micro-batches by this token budget instead
+    packing: bool = False  # padding-free micro-batches: the token budget counts real tokens (FFD)
     logprob_gap: bool = False  # report train/logprob_gap: mean |log pi_theta - behaviour| (on-policy ~ 0)
     top_k: int = -1  # the rollout's truncation, replayed on the trainer's logits
     top_p: float = 1.0
@@ -83,6 +85,7 @@ class UpdateSpec:
             micro_batch_size=t.micro_batch_size,
             sort_by_length=t.sort_by_length,
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+            packing=t.packing,
             top_k=cfg.rollout.top_k,
             top_p=cfg.rollout.top_p,
             mismatch=a.correction.metrics,
@@ -261,7 +264,7 @@ def ppo_update(
                 engine.backward(loss)
                 if not pad:
                     _add_micro_batch_stats(stats, mb, loss_metrics, lp, ent, spec)
-                    _add_padding_stats(stats, mb)
+                    _add_padding_stats(stats, mb, spec.packing)
                     if spec.mismatch and epoch == 0 and m0 == 0:  # the weights that sampled (sync)
                         behavior = mb.old_logprobs if mb.behavior_logprobs is None else mb.behavior_logprobs
                         stats.mismatch.append(mismatch_stats(lp.detach(), behavior, mb.response_mask))
@@ -300,11 +303,17 @@ def micro_batches(
     """This rank's micro-batches (row indices) of the mini-batch ``rows_m``: its contiguous
     share ``rows_m.tensor_split(world_size)[rank]`` in micro-batches of ``micro_batch_size`` rows
     (sorted by response length with ``sort_by_length``), or packed by
-    ``max_tokens_per_micro_batch`` (:func:`pack_by_tokens`). Every rank gets as many micro-batches
-    as the rank with the most (empty ones where its share ran out), so collectives stay aligned."""
+    ``max_tokens_per_micro_batch`` (:func:`pack_by_tokens`; with ``packing`` the budget counts
+    each row's real tokens, bins by :func:`rollkit.packing.pack_bins`, first-fit decreasing).
+    Every rank gets as many micro-batches as the rank with the most (empty ones where its share
+    ran out), so collectives stay aligned."""
     resp = batch.response_mask.sum(-1)
     shares = rows_m.tensor_split(world_size)
-    if spec.max_tokens_per_micro_batch:
+    if spec.max_tokens_per_micro_batch and getattr(spec, "packing", False):
+        real = batch.attention_mask.sum(-1)  # a packed micro-batch computes its real tokens only
+        plans = [[s[b] for b in pack_bins(real[s], spec.max_tokens_per_micro_batch)] for s in shares]
+        n, mine = max(len(p) for p in plans), plans[rank]
+    elif spec.max_tokens_per_micro_batch:
         plans = [pack_by_tokens(s, resp, batch.prompt_len, spec.max_tokens_per_micro_batch) for s in shares]
         n, mine = max(len(p) for p in plans), plans[rank]
     else:
@@ -317,12 +326,14 @@ def micro_batches(
     return mine + [torch.zeros(0, dtype=torch.long)] * (n - len(mine))
 
 
-def _add_padding_stats(stats: UpdateStats, mb: PackedBatch) -> None:
+def _add_padding_stats(stats: UpdateStats, mb: PackedBatch, packed: bool = False) -> None:
     """``train/padding_frac``: the share of the computed tokens (rows x (prompt width + longest
-    response)) that are padding."""
+    response); a packed micro-batch computes its real tokens only) that are padding."""
     resp = mb.response_mask.sum(-1)
     computed = mb.response_mask.shape[0] * (mb.prompt_len + int(resp.max()))
     real = int(mb.attention_mask[:, : mb.prompt_len].sum()) + int(resp.sum())
+    if packed:
+        computed = real
     stats.add("train/padding_frac", float(computed - real), float(computed))
 
 

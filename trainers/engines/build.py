@@ -278,6 +278,7 @@ def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy"
         device=device,
     )
     kw["logprob_chunk_tokens"] = t.logprob_chunk_tokens
+    kw["packing"] = bool(t.packing)
     if t.engine == "torch":
         eng: Any = TorchTrainEngine(model, autocast=train_autocast(cfg, device), **kw)
         eng.lora_export = _lora_export(cfg)

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from trainers.deps import require
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
+from trainers.engines.packed import enable_packing
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -251,6 +252,7 @@ class DeepSpeedTrainEngine:
             :func:`trainers.engines.torch_train.response_logprobs` (ZeRO 0-2).
         share_prompts: run each distinct prompt of a micro-batch once (as
             :func:`~trainers.engines.torch_train.response_logits`); off under checkpointing.
+        packing: padding-free micro-batches (:mod:`trainers.engines.packed`; prompt sharing off).
         ds_config: a DeepSpeed config dict merged over :func:`build_ds_config` (e.g.
             ``{"zero_optimization": {"offload_param": ...}}``).
 
@@ -281,6 +283,7 @@ class DeepSpeedTrainEngine:
         share_prompts: bool = True,
         ds_config: dict[str, Any] | None = None,
         logprob_chunk_tokens: int = 0,
+        packing: bool = False,
     ) -> None:
         device = _check_args(
             model, zero_stage, lr, weight_decay, grad_clip, dtype, optimizer, optimizer_factory, device
@@ -314,7 +317,9 @@ class DeepSpeedTrainEngine:
         self.zero_stage = zero_stage
         self.grad_clip = grad_clip
         self.dtype = dtype
-        self.share_prompts = share_prompts
+        self.share_prompts, self.packing = share_prompts, bool(packing)
+        if self.packing:
+            enable_packing(model)
         self._ckpt = gradient_checkpointing
         if device.type == "cpu":
             model = model.to("cpu")  # on GPUs DeepSpeed moves it to cuda:LOCAL_RANK
@@ -377,6 +382,7 @@ class DeepSpeedTrainEngine:
             share_prompts=self.share_prompts and not self._ckpt,
             device=self.device,
             chunk_tokens=self.logprob_chunk_tokens,
+            packed=self.packing,
         )
 
     def backward(self, loss: Tensor) -> None:

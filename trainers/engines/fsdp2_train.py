@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from trainers.engines.packed import enable_packing
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -145,6 +146,7 @@ class _HiddenForward:
     def __init__(self, model: Any) -> None:
         self._model = model
         self._ran = False
+        self.config = getattr(model, "config", None)  # the attention implementation (packed calls)
 
     def get_decoder(self) -> Callable[..., Any]:
         def forward(**kw: Any) -> Any:
@@ -191,6 +193,7 @@ class FSDP2TrainEngine:
             (:func:`~trainers.engines.torch_train.response_logits`).
         logprob_chunk_tokens: ``> 0``: the memory-lean log-probs (no ``[B, T, V]`` logits) of
             :func:`~trainers.engines.torch_train.response_logprobs`, through the root forward.
+        packing: padding-free micro-batches (:mod:`trainers.engines.packed`; prompt sharing off).
 
     Gradients: every :meth:`backward` reduce-scatters the layers' gradients into each rank's
     shard, *averaged* over ranks (as DDP / DeepSpeed / TorchTrainEngine), and sums them over
@@ -223,8 +226,13 @@ class FSDP2TrainEngine:
         reshard_after_forward: bool = True,
         share_prompts: bool = True,
         logprob_chunk_tokens: int = 0,
+        packing: bool = False,
     ) -> None:
-        flags = {"reshard_after_forward": reshard_after_forward, "share_prompts": share_prompts}
+        flags = {
+            "reshard_after_forward": reshard_after_forward,
+            "share_prompts": share_prompts,
+            "packing": packing,
+        }
         device = _check_args(
             model, lr, weight_decay, grad_clip, dtype, device, optimizer_factory, mixed_precision, flags,
             logprob_chunk_tokens,
@@ -237,6 +245,9 @@ class FSDP2TrainEngine:
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.grad_clip, self.dtype, self.mixed_precision = grad_clip, dtype, mixed_precision
         self.share_prompts, self.logprob_chunk_tokens = share_prompts, logprob_chunk_tokens
+        self.packing = packing
+        if packing:
+            enable_packing(model)
         self._arch = (type(model), getattr(model, "config", None))  # for save_model's unsharded skeleton
         model = model.to(device=device, dtype=dtype)
         if self.world_size > 1:
@@ -305,6 +316,7 @@ class FSDP2TrainEngine:
             share_prompts=self.share_prompts,
             device=self.device,
             chunk_tokens=chunk,
+            packed=self.packing,
         )
         if not torch.is_grad_enabled():
             # No backward will reshard what this forward gathered (the root, and every layer

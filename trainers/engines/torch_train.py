@@ -38,10 +38,12 @@ from rollkit.logprobs import token_logprobs as replay_logprobs
 from rollkit.losses import entropy_from_logits
 from trainers.engines.base import position_ids_from_mask
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
+from trainers.engines.packed import PackedCall, enable_packing, packed_call, scatter_response
 from trainers.models import save_model
 
 __all__ = [
     "TorchTrainEngine",
+    "packed_hidden",
     "response_hidden",
     "response_logits",
     "response_logprobs",
@@ -144,12 +146,11 @@ def response_hidden(
     and the LM head, for :func:`rollkit.logprobs.lean_token_logprobs`: one forward of the
     decoder (``get_decoder()`` of a Hugging Face causal LM; a DeepSpeed engine's ``module``),
     no logits."""
-    hf = getattr(model, "module", model)
-    get_decoder, get_head = getattr(hf, "get_decoder", None), getattr(hf, "get_output_embeddings", None)
-    if get_decoder is None or get_head is None or get_head() is None:
+    get_decoder, get_head = _decoder_and_head(model)
+    if get_head() is None:
         raise ValueError(
-            f"train.logprob_chunk_tokens: {type(hf).__name__} has no get_decoder() / get_output_embeddings() "
-            "(a Hugging Face causal LM); set train.logprob_chunk_tokens=0"
+            f"train.logprob_chunk_tokens: {type(getattr(model, 'module', model)).__name__} has no LM head "
+            "(get_output_embeddings() is None); set train.logprob_chunk_tokens=0"
         )
     out = get_decoder()(
         input_ids=input_ids,
@@ -159,6 +160,25 @@ def response_hidden(
     )
     L = input_ids.shape[1]
     return out.last_hidden_state[:, L - T - 1 : L - 1], get_head()
+
+
+def _decoder_and_head(model: Any) -> tuple[Any, Any]:
+    hf = getattr(model, "module", model)
+    get_decoder, get_head = getattr(hf, "get_decoder", None), getattr(hf, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        raise ValueError(
+            f"train.logprob_chunk_tokens: {type(hf).__name__} has no get_decoder() / get_output_embeddings() "
+            "(a Hugging Face causal LM); set train.logprob_chunk_tokens=0"
+        )
+    return get_decoder, get_head
+
+
+def packed_hidden(model: Any, call: PackedCall) -> tuple[Tensor, Any]:  # [1, M, H], the LM head module
+    """:func:`response_hidden` of a packed micro-batch (:mod:`trainers.engines.packed`): the
+    final hidden states at the ``M`` packed positions that predict a response token."""
+    get_decoder, get_head = _decoder_and_head(model)
+    out = get_decoder()(**call.kwargs)
+    return out.last_hidden_state[:, call.keep], get_head()
 
 
 def used_response_width(input_ids: Tensor, response_mask: Tensor) -> tuple[int, int]:
@@ -200,6 +220,7 @@ def response_logprobs(
     autocast: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The training engines' ``logprobs``: ``[B, T]`` float32 log-probs of the response tokens
     (the last ``T`` columns of ``input_ids``), 0 where ``response_mask`` is False, and with
@@ -223,6 +244,12 @@ def response_logprobs(
     to float rounding (the LM head's matmuls run in the autocast dtype, or in the hidden
     states' own low precision, like the plain path's; the softmax in float32); no prompt
     sharing on this path.
+
+    ``packed``: the padding-free path (:mod:`trainers.engines.packed`; the model must have been
+    through :func:`~trainers.engines.packed.enable_packing`): the rows' real tokens run as one
+    packed row with per-sample positions and attention, only the ``M`` positions that predict a
+    response token go through the LM head (plain or lean), and the results are scattered back
+    to ``[B, T]``: the same values and gradients up to float rounding, no prompt sharing.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -243,6 +270,7 @@ def response_logprobs(
             autocast=autocast,
             device=device,
             chunk_tokens=chunk_tokens,
+            packed=packed,
         )
         pad = (0, T - T_used)
         if with_entropy:
@@ -251,6 +279,10 @@ def response_logprobs(
     input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
     mask = response_mask.to(dev, dtype=torch.bool)
     tokens = input_ids[:, L - T :]
+    if packed:
+        return _packed_logprobs(model, input_ids, attention_mask, mask, temperature=temperature,
+                                with_entropy=with_entropy, top_k=top_k, top_p=top_p, autocast=autocast,
+                                device=dev, chunk_tokens=chunk_tokens)  # fmt: skip
     if chunk_tokens > 0:
         with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             hidden, head = response_hidden(model, input_ids, attention_mask, T)
@@ -276,6 +308,44 @@ def response_logprobs(
         return lp
     z = logits.float() / temperature if temperature != 1.0 else logits.float()
     return lp, entropy_from_logits(z).masked_fill(~mask, 0.0)
+
+
+def _packed_logprobs(
+    model: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    mask: Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    top_k: int,
+    top_p: float,
+    autocast: torch.dtype | None,
+    device: torch.device,
+    chunk_tokens: int,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`response_logprobs` on the packed path: ``[1, M]`` results scattered to ``[B, T]``."""
+    call = packed_call(model, input_ids, attention_mask, mask)
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy}
+    with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        if chunk_tokens > 0:
+            hidden, head = packed_hidden(model, call)
+        else:
+            logits = model(**call.kwargs, logits_to_keep=call.keep).logits  # [1, M, V]
+    if chunk_tokens > 0:
+        mdt = _lean_matmul_dtype(autocast, hidden.dtype)
+        out = lean_token_logprobs(hidden, head.weight, call.targets, bias=head.bias, chunk_tokens=chunk_tokens,
+                                  matmul_dtype=mdt, **sampling)  # fmt: skip
+    elif 0 < top_k < logits.shape[-1] or top_p < 1.0:
+        out = replay_logprobs(logits, call.targets, **sampling)
+    else:
+        out = token_logprobs(logits, call.targets, temperature)
+        if with_entropy:
+            z = logits.float() / temperature if temperature != 1.0 else logits.float()
+            out = (out, entropy_from_logits(z))
+    if isinstance(out, tuple):
+        return tuple(scatter_response(o, call) for o in out)
+    return scatter_response(out, call)
 
 
 class TorchTrainEngine:
@@ -307,6 +377,9 @@ class TorchTrainEngine:
         process_group: the data-parallel group (default: the world, if initialised).
         logprob_chunk_tokens: ``> 0``: log-probs and entropy through the memory-lean path of
             :func:`response_logprobs` (no ``[B, T, V]`` logits), that many positions per chunk.
+        packing: padding-free micro-batches (:mod:`trainers.engines.packed`): each
+            micro-batch's real tokens run as one packed row (per-sample positions and
+            attention), the same log-probs and gradients; prompt sharing is off then.
 
     A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
     ``metrics["skipped"] == 1``).
@@ -333,6 +406,7 @@ class TorchTrainEngine:
         share_prompts: bool = True,
         process_group: Any = None,
         logprob_chunk_tokens: int = 0,
+        packing: bool = False,
     ) -> None:
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
@@ -340,6 +414,9 @@ class TorchTrainEngine:
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype)
         self.share_prompts = share_prompts
+        self.packing = bool(packing)
+        if self.packing:
+            enable_packing(self.model)
         if (
             isinstance(logprob_chunk_tokens, bool)
             or not isinstance(logprob_chunk_tokens, int)
@@ -415,6 +492,7 @@ class TorchTrainEngine:
             autocast=self.autocast,
             device=self.device,
             chunk_tokens=self.logprob_chunk_tokens,
+            packed=self.packing,
         )
 
     def backward(self, loss: Tensor) -> None:

@@ -334,7 +334,9 @@ class ReferenceWorker:
     def __init__(self, cfg: Config, model: Any, tokenizer: Any, device: str, threads: int) -> None:
         _setup_process(threads)
         model, _ = _model(cfg, model, tokenizer)
-        self.engine = TorchTrainEngine(model, dtype=parse_dtype(cfg.model.dtype), device=device)
+        self.engine = TorchTrainEngine(
+            model, dtype=parse_dtype(cfg.model.dtype), device=device, packing=bool(cfg.train.packing)
+        )
         self.engine.model.eval().requires_grad_(False)
 
     @torch.no_grad()
