@@ -29,6 +29,16 @@ Cases:
   matmul weight incl. the LM head, S the sequence length), peak = 989.4 TFLOP/s (H100 SXM
   dense bf16; ``--peak-tflops`` for another GPU). LoRA's MFU counts the same flops (its
   backward skips the frozen weights' gradients, so its MFU is an upper bound of useful work).
+- ``torch-packed``, ``torch-compiled``, ``torch-packed-compiled``: ``torch-lean`` with
+  ``train.packing`` (the packed path on a batch without padding: its overhead), with
+  ``train.compile`` + ``train.fused_optimizer`` (inductor, each decoder layer), and both.
+- ``ragged-padded``, ``ragged-packed``, ``ragged-packed-compiled``: ``torch-lean`` on a W1-shaped
+  ragged batch (the same rows, ``--prompt``-token prompts, response lengths log-normal with
+  median ``--response / 24`` and sigma 1.4 capped at ``--response``: the longest about 25-30x
+  the median), padded micro-batches of ``--micro`` rows, packed ones of at most ``--micro`` x
+  (``--prompt`` + ``--response``) / 4 real tokens (first-fit decreasing), and packed + compiled.
+  Tokens/s counts the real tokens; MFU the flops of each sample at its own length (so padding
+  is not counted as work): compare ``ragged-packed`` with ``torch-lean`` (no padding at all).
 - ``agree``: on CUDA, float32: one step of the torch engine and of FSDP2 (world 1) from the
   same tiny Qwen2 on the same batch (max abs weight difference), and the torch engine's
   lean log-probs and gradients against its plain ones.
@@ -58,7 +68,11 @@ if __package__ in (None, "") and str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-STEP_CASES = ("torch", "torch-lean", "torch-bf16", "lora", "fsdp2", "deepspeed2", "deepspeed3")
+STEP_CASES = (
+    "torch", "torch-lean", "torch-bf16", "lora", "fsdp2", "deepspeed2", "deepspeed3",
+    "torch-packed", "torch-compiled", "torch-packed-compiled", "ragged-padded", "ragged-packed",
+    "ragged-packed-compiled",
+)  # fmt: skip
 CASES = ("logprobs", "agree", *STEP_CASES)
 
 QWEN2_05B = dict(
@@ -183,9 +197,28 @@ def _batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
     return pack(prompts, responses, pad_token_id=0)
 
 
+def _ragged_batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
+    from trainers.engines.base import pack
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(torch.randn(rows, generator=g) * 1.4) * max(1.0, response / 24)
+    lens = [int(min(max(1, round(float(v))), response)) for v in x]
+    prompts = torch.randint(4, vocab, (rows, prompt), generator=g).tolist()
+    responses = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lens]
+    return pack(prompts, responses, pad_token_id=0)
+
+
 def _engine(case: str, model, a: argparse.Namespace):
     dev, chunk = a.device, a.chunk
     bf16 = torch.bfloat16
+    if case.startswith(("torch-packed", "torch-compiled", "ragged-")):
+        from trainers.engines.torch_train import TorchTrainEngine
+
+        compiled = case.endswith("compiled")
+        return TorchTrainEngine(
+            model, lr=1e-5, device=dev, share_prompts=False, autocast=bf16, logprob_chunk_tokens=chunk,
+            packing="packed" in case, compile_backend="inductor" if compiled else None, fused_optimizer=compiled,
+        )  # fmt: skip
     if case in ("torch", "torch-lean", "torch-bf16", "lora"):
         from trainers.engines.torch_train import TorchTrainEngine
 
@@ -213,13 +246,19 @@ def _engine(case: str, model, a: argparse.Namespace):
     raise ValueError(f"case: unknown {case!r}")
 
 
-def _one_step(engine, b, micro: int) -> float:
+def _one_step(engine, b, micro: int, budget: int = 0) -> float:
     from rollkit.losses import aggregate, global_normalizers
+    from rollkit.packing import pack_bins
 
     norms = global_normalizers(b.response_mask)
     total = 0.0
-    for lo in range(0, b.input_ids.shape[0], micro):
-        mb = b[lo : lo + micro]
+    rows = torch.arange(b.input_ids.shape[0])
+    if budget:  # packed bins of real tokens, as train.max_tokens_per_micro_batch with train.packing
+        groups = pack_bins(b.attention_mask.sum(-1).cpu(), budget)
+    else:
+        groups = [rows[lo : lo + micro] for lo in range(0, len(rows), micro)]
+    for g in groups:
+        mb = b[g.to(b.input_ids.device)]
         lp = engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask)
         loss = aggregate(-lp, mb.response_mask, "token-mean", **norms)
         engine.backward(loss)
@@ -241,7 +280,11 @@ def case_step(case: str, a: argparse.Namespace) -> list[dict]:
     cfg = SMOKE if a.smoke else QWEN2_05B
     model = _model(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    b = _batch(cfg["vocab_size"], a.rows, a.prompt, a.response)
+    make = _ragged_batch if case.startswith("ragged-") else _batch
+    b = make(cfg["vocab_size"], a.rows, a.prompt, a.response)
+    budget = (
+        a.micro * (a.prompt + a.response) // 4 if case in ("ragged-packed", "ragged-packed-compiled") else 0
+    )
     b = type(b)(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in vars(b).items()})
     base = _reset_peak(dev)
     engine = _engine(case, model, a)
@@ -249,17 +292,20 @@ def case_step(case: str, a: argparse.Namespace) -> list[dict]:
     for i in range(a.warmup + a.steps):
         _sync(dev)
         t0 = time.perf_counter()
-        losses.append(_one_step(engine, b, a.micro))
+        losses.append(_one_step(engine, b, a.micro, budget))
         _sync(dev)
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
     s = statistics.median(times)
-    tokens = int(b.attention_mask.sum())
-    fpt, n_matmul = _flops_per_token(cfg, a.prompt + a.response)
+    lens = b.attention_mask.sum(-1).cpu().tolist()
+    tokens = int(sum(lens))
+    flops = sum(n * _flops_per_token(cfg, n)[0] for n in lens)  # each sample at its own length
+    n_matmul = _flops_per_token(cfg, a.prompt + a.response)[1]
     tps = tokens / s
     row = dict(case=case, device=dev, params=n_params, matmul_params=n_matmul, rows=a.rows,
                seq=a.prompt + a.response, micro=a.micro, tokens=tokens, s_per_step=s, tokens_per_s=tps,
-               mfu=tps * fpt / (a.peak_tflops * 1e12), peak_gib=(_peak(dev) - base) / 2**30,
+               padding_frac=1 - tokens / b.attention_mask.numel(), budget=budget,
+               mfu=flops / s / (a.peak_tflops * 1e12), peak_gib=(_peak(dev) - base) / 2**30,
                loss_first=losses[0], loss_last=losses[-1], finite=all(map(lambda x: x == x, losses)))  # fmt: skip
     if case == "fsdp2" and torch.distributed.is_initialized():
         row["backend"] = torch.distributed.get_backend()

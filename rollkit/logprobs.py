@@ -9,10 +9,13 @@ from the final hidden states and the LM head, chunk by chunk, without ever holdi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from rollkit.validation import (
+    InvalidTypeError,
     check_float,
     check_int,
     check_int_tensor,
@@ -307,11 +310,50 @@ def _grad_z(z: Tensor, tok: Tensor, kept: Tensor | None, lse: Tensor, ent: Tenso
     return g.scatter_add_(-1, tok.unsqueeze(-1), g_lp.unsqueeze(-1))
 
 
+def _plain_stats(z: Tensor, tok: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A chunk's ``(lp, ent, lse, shift)`` without truncation: the forward of
+    :class:`_LeanLogprobs` as one function, for ``torch.compile`` to fuse (``fused``)."""
+    m = _row_max(z)
+    s = z - m
+    lse = torch.logsumexp(s, dim=-1)
+    lp = s.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - lse
+    if with_entropy:
+        q = torch.exp(s - lse.unsqueeze(-1))
+        ent = lse - (q * torch.where(q > 0, s, 0.0)).sum(-1)
+    else:
+        ent = torch.zeros_like(lse)
+    return lp, ent, lse, m.squeeze(-1)
+
+
+def _plain_grad(z: Tensor, tok: Tensor, shift: Tensor, lse: Tensor, ent: Tensor | None, g_lp: Tensor,
+                g_ent: Tensor | None) -> Tensor:  # fmt: skip
+    """:func:`_grad_z` without truncation, out of place (for ``torch.compile``)."""
+    logq = z - (shift + lse).unsqueeze(-1)
+    q = torch.exp(logq)
+    g = q * (-g_lp).unsqueeze(-1)
+    if g_ent is not None and ent is not None:
+        g = g - torch.where(q > 0, (logq + ent.unsqueeze(-1)) * q, 0.0) * g_ent.unsqueeze(-1)
+    return g.scatter_add(-1, tok.unsqueeze(-1), g_lp.unsqueeze(-1))
+
+
+_FUSED: dict[tuple[str, str], Any] = {}
+
+
+def _fused(name: str, backend: str) -> Any:
+    """The compiled :func:`_plain_stats` / :func:`_plain_grad` (one compilation per backend,
+    dynamic in the chunk length)."""
+    key = (name, backend)
+    if key not in _FUSED:
+        fn = _plain_stats if name == "stats" else _plain_grad
+        _FUSED[key] = torch.compile(fn, backend=backend, dynamic=True)
+    return _FUSED[key]
+
+
 class _LeanLogprobs(torch.autograd.Function):
     """Chunked forward; the backward recomputes each chunk's logits (nothing ``[N, V]`` saved)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tok, temperature, top_k, top_p, with_entropy, chunk, mdt):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, tok, temperature, top_k, top_p, with_entropy, chunk, mdt, fused):  # type: ignore[override]
         cdt = _compute_dtype(torch.promote_types(hidden.dtype, weight.dtype))
         w = weight.to(mdt or cdt)
         b = None if bias is None else bias.to(cdt)
@@ -324,6 +366,11 @@ class _LeanLogprobs(torch.autograd.Function):
         for s in range(0, N, chunk):
             z = _chunk_logits(hidden[s : s + chunk], w, b, temperature, cdt)
             kept, outside[s : s + chunk] = _kept_with_tokens(z, tok[s : s + chunk], top_k, top_p)
+            if fused and kept is None:  # one compiled function over the chunk's logits
+                sl = slice(s, s + chunk)
+                lp[sl], ent[sl], lse_all[sl], shift[sl] = _fused("stats", fused)(z, tok[sl], with_entropy)
+                del z
+                continue
             m = _row_max(z)
             shift[s : s + chunk] = m.squeeze(-1)
             sm = z.sub_(m) if kept is None else z.sub_(m).masked_fill_(~kept, float("-inf"))
@@ -335,7 +382,7 @@ class _LeanLogprobs(torch.autograd.Function):
                 ent[s : s + chunk] = lse - q.mul_(sm.masked_fill_(q == 0, 0.0)).sum(-1)
             del z, sm, kept
         ctx.save_for_backward(hidden, weight, bias, tok, shift, lse_all, ent if with_entropy else None)
-        ctx.sampling = (temperature, top_k, top_p, chunk, mdt)
+        ctx.sampling = (temperature, top_k, top_p, chunk, mdt, fused)
         ctx.mark_non_differentiable(outside)
         if not with_entropy:
             ctx.mark_non_differentiable(ent)
@@ -344,7 +391,7 @@ class _LeanLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_outside):  # type: ignore[override]
         hidden, weight, bias, tok, shift, lse, ent = ctx.saved_tensors
-        temperature, top_k, top_p, chunk, mdt = ctx.sampling
+        temperature, top_k, top_p, chunk, mdt, fused = ctx.sampling
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cdt = lse.dtype
         w = weight.to(mdt or cdt)
@@ -358,8 +405,12 @@ class _LeanLogprobs(torch.autograd.Function):
             kept, _ = _kept_with_tokens(z, tok[s : s + chunk], top_k, top_p)
             ge = None if ent is None else g_ent[s : s + chunk]
             e = None if ent is None else ent[s : s + chunk]
-            z.sub_(shift[s : s + chunk].unsqueeze(-1))
-            g = _grad_z(z, tok[s : s + chunk], kept, lse[s : s + chunk], e, g_lp[s : s + chunk], ge)
+            if fused and kept is None:
+                sl = slice(s, s + chunk)
+                g = _fused("grad", fused)(z, tok[sl], shift[sl], lse[sl], e, g_lp[sl], ge)
+            else:
+                z.sub_(shift[s : s + chunk].unsqueeze(-1))
+                g = _grad_z(z, tok[s : s + chunk], kept, lse[s : s + chunk], e, g_lp[s : s + chunk], ge)
             del z, kept
             if temperature != 1.0:
                 g.div_(temperature)
@@ -375,7 +426,7 @@ class _LeanLogprobs(torch.autograd.Function):
                 gw.add_(g.T @ h.to(mdt))
         gw = None if gw is None else gw.to(weight.dtype)
         gb = None if gb is None else gb.to(bias.dtype)
-        return gh, gw, gb, None, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None, None
 
 
 def lean_token_logprobs(
@@ -391,6 +442,7 @@ def lean_token_logprobs(
     chunk_tokens: int = 256,
     return_outside: bool = False,
     matmul_dtype: torch.dtype | None = None,
+    fused: bool | str = False,
 ) -> Tensor | tuple[Tensor, ...]:
     """:func:`token_logprobs` of ``hidden @ weight.T (+ bias)``, without the ``[N, V]`` logits.
 
@@ -423,6 +475,14 @@ def lean_token_logprobs(
     Models (Wijmans et al., 2024, arXiv:2411.09009); here with the sampling replay of
     :func:`support_mask` and the entropy.
 
+    ``fused``: ``True`` (inductor) or a ``torch.compile`` backend name: each chunk's softmax
+    statistics (row max, logsumexp, the token's log-prob, the entropy) and, in the backward,
+    its ``[chunk, V]`` logit gradient are one compiled function each (dynamic in the chunk
+    length), so the ``[chunk, V]`` logits are read in a few fused passes instead of one per
+    elementwise op: the GPU path (a CUDA GPU with Triton). Chunks with a top-k / top-p
+    truncation keep the eager code; the matmuls are the same. Same values and gradients up to
+    float rounding (tested). The first call compiles (seconds to a minute).
+
     >>> g = torch.Generator().manual_seed(0)
     >>> hidden, weight = torch.randn(2, 5, 8, generator=g), torch.randn(11, 8, generator=g)
     >>> tokens = torch.randint(0, 11, (2, 5), generator=g)
@@ -450,6 +510,11 @@ def lean_token_logprobs(
         raise ValueError(f"matmul_dtype: expected None or a float dtype, got {matmul_dtype!r}")
     if matmul_dtype in (torch.float32, torch.float64):
         matmul_dtype = None  # the compute dtype's own matmul
+    if not isinstance(fused, (bool, str)):
+        raise InvalidTypeError(
+            f"fused: expected a bool or a torch.compile backend name, got {type(fused).__name__}"
+        )
+    backend = "inductor" if fused is True else (fused or "")
     lead = tuple(hidden.shape[:-1])
     tok = _check_tokens(tokens, lead, V, "weight").long().reshape(-1)
     lp, ent, outside = _LeanLogprobs.apply(
@@ -463,6 +528,7 @@ def lean_token_logprobs(
         bool(with_entropy),
         chunk,
         matmul_dtype,
+        backend,
     )
     out: tuple[Tensor, ...] = (lp.reshape(lead),)
     if with_entropy:

@@ -145,6 +145,15 @@ def test_token_budget_quick(capsys):
     assert "budget" in capsys.readouterr().out
 
 
+def test_packing_quick(capsys):
+    pytest.importorskip("transformers")
+    info = load("bench_packing").main(["--quick", "--threads", "1"])
+    assert len(info) == 5 and all(v["seconds"] > 0 and v["tokens_per_s"] > 0 for v in info.values())
+    padded, _, packed, _, packed_budget = info.values()
+    assert padded["padding_frac"] > 0 and packed["padding_frac"] == packed_budget["padding_frac"] == 0
+    assert "packed" in capsys.readouterr().out
+
+
 def test_tail_batching_tiny(capsys):
     """W1 on the tiny model with the HF engine: sync and tail batching, same trained samples."""
     pytest.importorskip("transformers")

@@ -263,6 +263,28 @@ def test_gradcheck_float64(kw):
     assert torch.autograd.gradcheck(g, (logits,), eps=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fused_lean_equals_the_eager_lean_path(backend):
+    """``fused``: the compiled per-chunk statistics and logit gradients give the eager chunked
+    path's values and gradients (a chunk that divides N and one that does not, temperature,
+    entropy, bias; a top-k call keeps the eager code). aot_eager checks the traced functions,
+    inductor the generated kernels (compiled once for the dynamic chunk length)."""
+    hidden, weight, b, tokens = lm_case(7, (3, 7), 8, 40)
+    cases = [dict(temperature=0.7, with_entropy=True, chunk_tokens=5), dict(with_entropy=False, chunk_tokens=7),
+             dict(top_k=5, with_entropy=True, chunk_tokens=4)]  # fmt: skip
+    for kw in cases:
+        out_e, g_e = _grads(lean, hidden, weight, b, tokens, **kw)
+        out_f, g_f = _grads(lean, hidden, weight, b, tokens, fused=backend, **kw)
+        for a, c in zip(
+            out_f if isinstance(out_f, tuple) else (out_f,), out_e if isinstance(out_e, tuple) else (out_e,)
+        ):
+            torch.testing.assert_close(a, c, atol=2e-6, rtol=1e-5)
+        for a, c in zip(g_f, g_e):
+            torch.testing.assert_close(a, c, atol=2e-6, rtol=1e-5)
+    with pytest.raises(TypeError, match="fused"):
+        lean_token_logprobs(hidden, weight, tokens, fused=1)
+
+
 class _MaxNumel(TorchDispatchMode):
     """Records the largest tensor that any aten op produces (forward and backward)."""
 

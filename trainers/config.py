@@ -176,6 +176,11 @@ class TrainConfig:
     # one packed row, positions and attention per sample; same log-probs and gradients. With
     # max_tokens_per_micro_batch the budget counts real tokens (first-fit decreasing bins)
     packing: bool = False
+    # torch.compile each decoder layer (trainers.engines.compiled; compile_backend "inductor",
+    # "aot_eager" or "eager"), and the AdamW with fused=True where the device has the kernel
+    compile: bool = False
+    compile_backend: str = "inductor"
+    fused_optimizer: bool = False
     # LoRA (peft): > 0 trains rank-r adapters only; the rollout gets the merged weights and the
     # saved model is the merged one (trainers.engines.lora). alpha 0: = rank (scale 1)
     lora_rank: int = 0
@@ -944,6 +949,7 @@ def _check_common(cfg: Any) -> None:
             ("rollout.dtype", r.dtype, ("", "auto", *DTYPE_NAMES)),
             ("train.autocast", t.autocast, ("off", "auto", "bfloat16", "float16")),
             ("train.engine", t.engine, TRAIN_ENGINES),
+            ("train.compile_backend", t.compile_backend, ("inductor", "aot_eager", "eager")),
             ("train.lr_schedule", t.lr_schedule, ("constant", "cosine")),
             ("train.zero_stage", t.zero_stage, (0, 1, 2, 3)),
             ("algorithm.kl.mode", a.kl.mode, ("loss", "reward")),

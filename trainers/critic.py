@@ -211,7 +211,7 @@ def response_values(
     share = getattr(engine, "share_prompts", True) and not getattr(engine, "_ckpt", False)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         if getattr(engine, "packing", False):
-            call = packed_call(engine.model, ids, att, response_mask[:, :T_used].to(dev))
+            call = packed_call(engine.model, ids, att, response_mask[:, :T_used].to(dev), share=share)
             v = scatter_response(_packed_head_outputs(engine, call)[..., 0].float(), call)
         else:
             v = _head_outputs(engine, ids, att, T_used, share=share)[..., 0].float()

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 
 import torch
+from _ragged import ragged_batch
 
 from trainers.config import load_config
 from trainers.critic import build_critic
@@ -31,27 +32,12 @@ def tok():
     return char_tokenizer()
 
 
-def ragged_batch(seed=0, B=7, P=6, T=9, vocab=30):
-    """Left-padded prompts, right-padded responses of mixed lengths (one empty), a tool token
-    (real, not trained) inside one response, two rows sharing a prompt."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (B, P + T), generator=g)
-    am = torch.ones(B, P + T, dtype=torch.long)
-    plens, rlens = [6, 3, 1, 4, 6, 2, 2], [9, 2, 5, 0, 3, 7, 1]
-    for b in range(B):
-        am[b, : P - plens[b]] = 0
-        am[b, P + rlens[b] :] = 0
-    ids[6] = ids[5]
-    ids = ids * am
-    rm = am[:, P:].bool().clone()
-    rm[2, 3] = False  # an environment token: attended to, not trained
-    return ids, am, rm
-
-
-def pair(tok, **kw):
+def pair(tok, share=True, **kw):
+    """A padded engine (no prompt sharing) and a packed one (``share``: rows that repeat a prompt
+    share it in the packed row, the prefix-shared layout) on the same weights."""
     m = tiny_qwen2(tok, seed=0)
     padded = TorchTrainEngine(copy.deepcopy(m), share_prompts=False, **kw)
-    packed = TorchTrainEngine(copy.deepcopy(m), packing=True, **kw)
+    packed = TorchTrainEngine(copy.deepcopy(m), packing=True, share_prompts=share, **kw)
     return padded, packed
 
 
@@ -68,8 +54,10 @@ def grad_gap(a, b):
     ids=["plain", "tempered", "top_k", "top_p"],
 )
 @pytest.mark.parametrize("chunk", [0, 4], ids=["logits", "lean"])
-def test_packed_logprobs_entropy_and_gradients_equal_the_padded_path(tok, sampling, chunk):
-    padded, packed = pair(tok, logprob_chunk_tokens=chunk)
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "per-sample"])
+def test_packed_logprobs_entropy_and_gradients_equal_the_padded_path(tok, sampling, chunk, share):
+    """Rows 5 and 6 of the batch repeat a prompt: with ``share`` it appears once in the packed row."""
+    padded, packed = pair(tok, share=share, logprob_chunk_tokens=chunk)
     ids, am, rm = ragged_batch()
     out = {}
     for name, eng in (("padded", padded), ("packed", packed)):
@@ -96,6 +84,33 @@ def test_packed_path_agrees_with_prompt_sharing_and_with_trailing_columns_cut(to
         a = shared.logprobs(ids[sel], am[sel], rm[sel])
         b = packed.logprobs(ids[sel], am[sel], rm[sel])
         assert torch.allclose(a, b, atol=ATOL)
+
+
+def test_packed_path_under_gradient_checkpointing(tok):
+    """The recomputed layers get the packed call's varlen arguments again: same gradients."""
+    padded, packed = pair(tok, gradient_checkpointing=True)
+    ids, am, rm = ragged_batch()
+    for eng in (padded, packed):
+        lp, ent = eng.logprobs(ids, am, rm, with_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+    assert grad_gap(padded, packed) < 2e-6
+
+
+def test_shared_prompts_appear_once_in_the_packed_row():
+    """The prefix-shared layout: a group's prompt once, then each row's response; positions as
+    the padded path's; the prompt's last token predicts every row's first response token."""
+    from trainers.engines.packed import PackedCall
+
+    m = tiny_qwen2(char_tokenizer(), seed=0)
+    enable_packing(m)
+    b = pack([[5, 6, 7], [5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14], [15]], 0)
+    call = PackedCall(m, b.input_ids, b.attention_mask, b.response_mask, share=True)
+    assert call.shared
+    assert call.kwargs["input_ids"].tolist() == [[5, 6, 7, 10, 11, 12, 13, 14, 8, 9, 15]]
+    assert call.kwargs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2]]
+    assert call.kwargs["rollkit_prefix_groups"] == [(0, 3, [(3, 5), (5, 8)]), (8, 10, [(10, 11)])]
+    assert call.keep.tolist() == [2, 3, 2, 5, 6, 9] and call.targets.tolist() == [[10, 11, 12, 13, 14, 15]]
+    assert not PackedCall(m, b.input_ids[1:], b.attention_mask[1:], b.response_mask[1:], share=True).shared
 
 
 def test_a_micro_batch_without_response_tokens_still_backpropagates(tok):

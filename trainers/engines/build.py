@@ -279,6 +279,8 @@ def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy"
     )
     kw["logprob_chunk_tokens"] = t.logprob_chunk_tokens
     kw["packing"] = bool(t.packing)
+    kw["compile_backend"] = t.compile_backend if t.compile else None
+    kw["fused_optimizer"] = bool(t.fused_optimizer)
     if t.engine == "torch":
         eng: Any = TorchTrainEngine(model, autocast=train_autocast(cfg, device), **kw)
         eng.lora_export = _lora_export(cfg)

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from trainers.deps import require
+from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
-from trainers.engines.packed import enable_packing
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -252,7 +252,9 @@ class DeepSpeedTrainEngine:
             :func:`trainers.engines.torch_train.response_logprobs` (ZeRO 0-2).
         share_prompts: run each distinct prompt of a micro-batch once (as
             :func:`~trainers.engines.torch_train.response_logits`); off under checkpointing.
-        packing: padding-free micro-batches (:mod:`trainers.engines.packed`; prompt sharing off).
+        packing: padding-free micro-batches (:mod:`trainers.engines.packed`; with ``share_prompts`` a repeated prompt appears once in the packed row).
+        compile_backend, fused_optimizer: compiled decoder layers, fused AdamW
+            (:mod:`trainers.engines.compiled`, as ``TorchTrainEngine``).
         ds_config: a DeepSpeed config dict merged over :func:`build_ds_config` (e.g.
             ``{"zero_optimization": {"offload_param": ...}}``).
 
@@ -284,6 +286,8 @@ class DeepSpeedTrainEngine:
         ds_config: dict[str, Any] | None = None,
         logprob_chunk_tokens: int = 0,
         packing: bool = False,
+        compile_backend: str | None = None,
+        fused_optimizer: bool = False,
     ) -> None:
         device = _check_args(
             model, zero_stage, lr, weight_decay, grad_clip, dtype, optimizer, optimizer_factory, device
@@ -318,8 +322,7 @@ class DeepSpeedTrainEngine:
         self.grad_clip = grad_clip
         self.dtype = dtype
         self.share_prompts, self.packing = share_prompts, bool(packing)
-        if self.packing:
-            enable_packing(model)
+        prepare_model(model, packing=self.packing, compile_backend=compile_backend)
         self._ckpt = gradient_checkpointing
         if device.type == "cpu":
             model = model.to("cpu")  # on GPUs DeepSpeed moves it to cuda:LOCAL_RANK
@@ -331,7 +334,7 @@ class DeepSpeedTrainEngine:
             if optimizer_factory is not None:
                 optimizer = optimizer_factory(params)
             else:
-                optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+                optimizer = adamw(params, lr=lr, weight_decay=weight_decay, fused=fused_optimizer)
         self.optimizer = optimizer  # the torch optimizer; DeepSpeed wraps it (self.engine.optimizer)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=cfg, dist_init_required=False

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainers.engines.packed import enable_packing
+from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -193,7 +193,9 @@ class FSDP2TrainEngine:
             (:func:`~trainers.engines.torch_train.response_logits`).
         logprob_chunk_tokens: ``> 0``: the memory-lean log-probs (no ``[B, T, V]`` logits) of
             :func:`~trainers.engines.torch_train.response_logprobs`, through the root forward.
-        packing: padding-free micro-batches (:mod:`trainers.engines.packed`; prompt sharing off).
+        packing: padding-free micro-batches (:mod:`trainers.engines.packed`; with ``share_prompts`` a repeated prompt appears once in the packed row).
+        compile_backend, fused_optimizer: compiled decoder layers (before sharding), fused AdamW
+            (:mod:`trainers.engines.compiled`, as ``TorchTrainEngine``).
 
     Gradients: every :meth:`backward` reduce-scatters the layers' gradients into each rank's
     shard, *averaged* over ranks (as DDP / DeepSpeed / TorchTrainEngine), and sums them over
@@ -227,6 +229,8 @@ class FSDP2TrainEngine:
         share_prompts: bool = True,
         logprob_chunk_tokens: int = 0,
         packing: bool = False,
+        compile_backend: str | None = None,
+        fused_optimizer: bool = False,
     ) -> None:
         flags = {
             "reshard_after_forward": reshard_after_forward,
@@ -246,8 +250,7 @@ class FSDP2TrainEngine:
         self.grad_clip, self.dtype, self.mixed_precision = grad_clip, dtype, mixed_precision
         self.share_prompts, self.logprob_chunk_tokens = share_prompts, logprob_chunk_tokens
         self.packing = packing
-        if packing:
-            enable_packing(model)
+        prepare_model(model, packing=packing, compile_backend=compile_backend)
         self._arch = (type(model), getattr(model, "config", None))  # for save_model's unsharded skeleton
         model = model.to(device=device, dtype=dtype)
         if self.world_size > 1:
@@ -260,7 +263,7 @@ class FSDP2TrainEngine:
         if optimizer_factory is not None:
             optimizer = optimizer_factory(params)
         else:
-            optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+            optimizer = adamw(params, lr=lr, weight_decay=weight_decay, fused=fused_optimizer)
         self.optimizer = optimizer
         if callable(scheduler) and not hasattr(scheduler, "step"):
             scheduler = scheduler(optimizer)

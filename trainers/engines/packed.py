@@ -81,6 +81,11 @@ def packed_attention_forward(
     attention, for every ordinary call of the same model."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    groups = kwargs.get("rollkit_prefix_groups")
+    if groups is not None:
+        return _prefix_attention(
+            query, key, value, groups, dropout, scaling, kwargs.get("sliding_window")
+        ), None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -107,6 +112,42 @@ def packed_attention_forward(
     ]
     out = torch.cat(parts, dim=2) if parts else query[:, :, :0]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _prefix_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    groups: list,
+    dropout: float,
+    scaling: float | None,
+    window: Any,
+) -> Tensor:  # [1, N, H, D]
+    """Attention of a prefix-shared packed row (:class:`PackedCall` with shared prompts): for
+    each group ``(ps, pe, [(rs, re), ...])`` the prompt ``ps:pe`` attends causally to itself, and
+    each response ``rs:re`` to the whole prompt and causally to itself (never to the group's
+    other responses): exactly each sample's causal attention over its own prompt + response."""
+    if window is not None:
+        raise ValueError(
+            "train.packing: sliding-window attention layers are not supported by the packed attention"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"train.packing: a packed call has one row, got a batch of {query.shape[0]}")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kw = {"dropout_p": dropout, "scale": scaling, "enable_gqa": query.shape[1] != key.shape[1]}
+    parts = []
+    for ps, pe, segs in groups:
+        parts.append(sdpa(query[:, :, ps:pe], key[:, :, ps:pe], value[:, :, ps:pe], is_causal=True, **kw))
+        for rs, re in segs:
+            if re == rs:
+                continue
+            r, p = re - rs, pe - ps
+            k = torch.cat([key[:, :, ps:pe], key[:, :, rs:re]], dim=2)
+            v = torch.cat([value[:, :, ps:pe], value[:, :, rs:re]], dim=2)
+            allowed = torch.ones(r, p + r, dtype=torch.bool, device=query.device)
+            allowed[:, p:] = torch.ones(r, r, dtype=torch.bool, device=query.device).tril_()
+            parts.append(sdpa(query[:, :, rs:re], k, v, attn_mask=allowed, **kw))
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
 def unwrap_hf(model: Any) -> Any:
@@ -146,20 +187,25 @@ def enable_packing(model: Any) -> str:
 
 class PackedCall:
     """One micro-batch's packed row: ``kwargs`` for the model call (``input_ids [1, N]``,
-    ``position_ids``, the varlen keyword arguments, the attention placeholder), ``keep`` the
-    ``M`` packed positions that predict a response token (row-major over ``response_mask``),
-    ``targets [1, M]`` the tokens they predict, and ``response_mask`` to scatter back."""
+    ``position_ids``, the varlen keyword arguments or the prefix groups, the attention
+    placeholder), ``keep`` the ``M`` packed positions that predict a response token (row-major
+    over ``response_mask``; with shared prompts a prompt's last token predicts the first response
+    token of every row of its group), ``targets [1, M]`` the tokens they predict, and
+    ``response_mask`` to scatter back. ``shared``: whether the prefix-shared layout was used."""
 
-    def __init__(self, model: Any, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> None:
+    def __init__(
+        self,
+        model: Any,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response_mask: Tensor,
+        *,
+        share: bool = False,
+    ) -> None:
         B, L = input_ids.shape
         T = response_mask.shape[1]
-        self.layout: PackedLayout = packed_layout(attention_mask)
         self.response_mask = response_mask.to(input_ids.device, torch.bool)
-        pos = response_positions(self.layout, L - T, self.response_mask)
-        self.keep = pos[self.response_mask]  # [M]
-        ids = pack_tokens(input_ids, self.layout)  # [1, N]
-        self.targets = ids[:, self.keep + 1]  # [1, M]
-        cu = self.layout.cu_seqlens
+        self.shape = (B, T)
         impl = getattr(getattr(unwrap_hf(model), "config", None), "_attn_implementation", None)
         if impl not in NATIVE_VARLEN and impl != PACKED_ATTENTION:
             raise RuntimeError(
@@ -168,6 +214,18 @@ class PackedCall:
         # rollkit_packed ignores the mask of a packed call; a 4D tensor makes transformers skip
         # building one (an [N, N] mask is what packing avoids). flash_attention_* take None.
         placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+        self.shared = (
+            share and impl == PACKED_ATTENTION and B > 1 and self._share(input_ids, attention_mask, T)
+        )
+        if self.shared:
+            self.kwargs["attention_mask"] = placeholder
+            return
+        self.layout: PackedLayout = packed_layout(attention_mask)
+        pos = response_positions(self.layout, L - T, self.response_mask)
+        self.keep = pos[self.response_mask]  # [M]
+        ids = pack_tokens(input_ids, self.layout)  # [1, N]
+        self.targets = ids[:, self.keep + 1]  # [1, M]
+        cu = self.layout.cu_seqlens
         self.kwargs = {
             "input_ids": ids,
             "attention_mask": placeholder if impl == PACKED_ATTENTION else None,
@@ -178,12 +236,65 @@ class PackedCall:
             "max_length_k": self.layout.max_seqlen,
             "use_cache": False,
         }
-        self.shape = (B, T)
+
+    def _share(self, input_ids: Tensor, attention_mask: Tensor, T: int) -> bool:
+        """The prefix-shared layout, when rows repeat a prompt (and the packed attention is not
+        the CUDA varlen kernel, which takes one sequence per sample): each distinct prompt once,
+        then the responses of its rows, each attending to that prompt and to itself
+        (:func:`_prefix_attention`). Same per-sample attention and positions as the padded path;
+        the prompt costs ``U / B`` of its compute (``U`` distinct prompts). False: not shared."""
+        B, L = input_ids.shape
+        P = L - T
+        if input_ids.is_cuda and _varlen_kernel() is not None:
+            return False
+        am = attention_mask.to(torch.bool)
+        prompts = torch.cat([input_ids[:, :P], am[:, :P].to(input_ids.dtype)], 1)
+        _, inv = torch.unique(prompts, dim=0, return_inverse=True)
+        members: dict[int, list[int]] = {}
+        for b, u in enumerate(inv.tolist()):
+            members.setdefault(u, []).append(b)
+        if len(members) == B:
+            return False
+        dev = input_ids.device
+        inverse = torch.full((B, L), -1, dtype=torch.int64, device=dev)
+        order, groups, n = [], [], 0
+        for rows in members.values():
+            r0 = rows[0]
+            pcols = am[r0, :P].nonzero().squeeze(1)
+            order.append(r0 * L + pcols)
+            inverse[r0, pcols] = torch.arange(n, n + len(pcols), device=dev)
+            ps, pe = n, n + len(pcols)
+            n, segs = pe, []
+            for b in rows:
+                inverse[b, :P] = inverse[r0, :P]
+                rcols = am[b, P:].nonzero().squeeze(1) + P
+                order.append(b * L + rcols)
+                inverse[b, rcols] = torch.arange(n, n + len(rcols), device=dev)
+                segs.append((n, n + len(rcols)))
+                n += len(rcols)
+            groups.append((ps, pe, segs))
+        flat = torch.cat(order)
+        rank = (am.cumsum(-1) - 1).reshape(-1)
+        pred = inverse[:, P - 1 : P - 1 + T]  # the column that predicts response token t
+        if bool((pred[self.response_mask] < 0).any()):
+            raise ValueError("response_mask: a response token is set where the attention mask has padding")
+        self.keep = pred[self.response_mask]
+        self.targets = input_ids[:, P:][self.response_mask].unsqueeze(0)
+        self.kwargs = {
+            "input_ids": input_ids.reshape(-1)[flat].unsqueeze(0),
+            "position_ids": rank[flat].unsqueeze(0),
+            "rollkit_prefix_groups": groups,
+            "use_cache": False,
+        }
+        return True
 
 
-def packed_call(model: Any, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> PackedCall:
-    """:class:`PackedCall` of a micro-batch in the layout of ``trainers.engines.base.pack``."""
-    return PackedCall(model, input_ids, attention_mask, response_mask)
+def packed_call(
+    model: Any, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, *, share: bool = False
+) -> PackedCall:
+    """:class:`PackedCall` of a micro-batch in the layout of ``trainers.engines.base.pack``;
+    ``share``: each distinct prompt once (the prefix-shared layout) where rows repeat one."""
+    return PackedCall(model, input_ids, attention_mask, response_mask, share=share)
 
 
 def scatter_response(values: Tensor, call: PackedCall) -> Tensor:  # [1, M] or [M] -> [B, T]

@@ -37,8 +37,9 @@ from rollkit.logprobs import lean_token_logprobs
 from rollkit.logprobs import token_logprobs as replay_logprobs
 from rollkit.losses import entropy_from_logits
 from trainers.engines.base import position_ids_from_mask
+from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
-from trainers.engines.packed import PackedCall, enable_packing, packed_call, scatter_response
+from trainers.engines.packed import PackedCall, packed_call, scatter_response
 from trainers.models import save_model
 
 __all__ = [
@@ -221,6 +222,7 @@ def response_logprobs(
     device: str | torch.device = "cpu",
     chunk_tokens: int = 0,
     packed: bool = False,
+    fused: bool | str = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The training engines' ``logprobs``: ``[B, T]`` float32 log-probs of the response tokens
     (the last ``T`` columns of ``input_ids``), 0 where ``response_mask`` is False, and with
@@ -249,7 +251,14 @@ def response_logprobs(
     through :func:`~trainers.engines.packed.enable_packing`): the rows' real tokens run as one
     packed row with per-sample positions and attention, only the ``M`` positions that predict a
     response token go through the LM head (plain or lean), and the results are scattered back
-    to ``[B, T]``: the same values and gradients up to float rounding, no prompt sharing.
+    to ``[B, T]``: the same values and gradients up to float rounding. With ``share_prompts``
+    the rows that repeat a prompt share one copy of it in the packed row (each response attends
+    to it and to itself; :class:`trainers.engines.packed.PackedCall`), except on CUDA where the
+    varlen kernel runs one sequence per sample.
+
+    ``fused`` (with ``chunk_tokens > 0``): the lean head's per-chunk softmax statistics and
+    logit gradients compiled (:func:`rollkit.logprobs.lean_token_logprobs`' ``fused``: ``True``
+    or a ``torch.compile`` backend name).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -271,6 +280,7 @@ def response_logprobs(
             device=device,
             chunk_tokens=chunk_tokens,
             packed=packed,
+            fused=fused,
         )
         pad = (0, T - T_used)
         if with_entropy:
@@ -282,14 +292,14 @@ def response_logprobs(
     if packed:
         return _packed_logprobs(model, input_ids, attention_mask, mask, temperature=temperature,
                                 with_entropy=with_entropy, top_k=top_k, top_p=top_p, autocast=autocast,
-                                device=dev, chunk_tokens=chunk_tokens)  # fmt: skip
+                                device=dev, chunk_tokens=chunk_tokens, fused=fused, share=share_prompts)  # fmt: skip
     if chunk_tokens > 0:
         with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             hidden, head = response_hidden(model, input_ids, attention_mask, T)
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy}
         mdt = _lean_matmul_dtype(autocast, hidden.dtype)
         out = lean_token_logprobs(hidden, head.weight, tokens, bias=head.bias, chunk_tokens=chunk_tokens,
-                                  matmul_dtype=mdt, **sampling)  # fmt: skip
+                                  matmul_dtype=mdt, fused=fused, **sampling)  # fmt: skip
         return _zero_outside(out, mask)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts)
@@ -323,9 +333,12 @@ def _packed_logprobs(
     autocast: torch.dtype | None,
     device: torch.device,
     chunk_tokens: int,
+    fused: bool | str = False,
+    share: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`response_logprobs` on the packed path: ``[1, M]`` results scattered to ``[B, T]``."""
-    call = packed_call(model, input_ids, attention_mask, mask)
+    """:func:`response_logprobs` on the packed path: ``[1, M]`` results scattered to ``[B, T]``;
+    ``share``: rows that repeat a prompt share one copy of it (the prefix-shared layout)."""
+    call = packed_call(model, input_ids, attention_mask, mask, share=share)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy}
     with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         if chunk_tokens > 0:
@@ -335,7 +348,7 @@ def _packed_logprobs(
     if chunk_tokens > 0:
         mdt = _lean_matmul_dtype(autocast, hidden.dtype)
         out = lean_token_logprobs(hidden, head.weight, call.targets, bias=head.bias, chunk_tokens=chunk_tokens,
-                                  matmul_dtype=mdt, **sampling)  # fmt: skip
+                                  matmul_dtype=mdt, fused=fused, **sampling)  # fmt: skip
     elif 0 < top_k < logits.shape[-1] or top_p < 1.0:
         out = replay_logprobs(logits, call.targets, **sampling)
     else:
@@ -379,7 +392,12 @@ class TorchTrainEngine:
             :func:`response_logprobs` (no ``[B, T, V]`` logits), that many positions per chunk.
         packing: padding-free micro-batches (:mod:`trainers.engines.packed`): each
             micro-batch's real tokens run as one packed row (per-sample positions and
-            attention), the same log-probs and gradients; prompt sharing is off then.
+            attention), the same log-probs and gradients; with ``share_prompts`` the rows that
+            repeat a prompt share one copy of it in the packed row.
+        compile_backend: ``torch.compile`` each decoder layer with this backend (``"inductor"``;
+            ``None``: eager), :func:`trainers.engines.compiled.compile_layers`; on CUDA also the
+            lean head's per-chunk softmax (``fused`` of :func:`rollkit.logprobs.lean_token_logprobs`).
+        fused_optimizer: the default AdamW with ``fused=True`` where the device has the kernel.
 
     A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
     ``metrics["skipped"] == 1``).
@@ -407,6 +425,8 @@ class TorchTrainEngine:
         process_group: Any = None,
         logprob_chunk_tokens: int = 0,
         packing: bool = False,
+        compile_backend: str | None = None,
+        fused_optimizer: bool = False,
     ) -> None:
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
@@ -415,8 +435,9 @@ class TorchTrainEngine:
         self.model = model.to(device=self.device, dtype=dtype)
         self.share_prompts = share_prompts
         self.packing = bool(packing)
-        if self.packing:
-            enable_packing(self.model)
+        prepare_model(self.model, packing=self.packing, compile_backend=compile_backend)
+        # the compiled lean head where it pays (a GPU); the CPU keeps the eager chunked path
+        self.fused_head = compile_backend if compile_backend and self.device.type == "cuda" else False
         if (
             isinstance(logprob_chunk_tokens, bool)
             or not isinstance(logprob_chunk_tokens, int)
@@ -433,7 +454,7 @@ class TorchTrainEngine:
             if optimizer_factory is not None:
                 optimizer = optimizer_factory(params)
             else:
-                optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+                optimizer = adamw(params, lr=lr, weight_decay=weight_decay, fused=fused_optimizer)
         self.optimizer = optimizer
         if callable(scheduler) and not hasattr(scheduler, "step"):
             scheduler = scheduler(optimizer)
@@ -493,6 +514,7 @@ class TorchTrainEngine:
             device=self.device,
             chunk_tokens=self.logprob_chunk_tokens,
             packed=self.packing,
+            fused=self.fused_head,
         )
 
     def backward(self, loss: Tensor) -> None:
