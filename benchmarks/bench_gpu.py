@@ -10,7 +10,9 @@ Cases:
   ``sum(logprobs) + sum(entropy)`` to the hidden states and the LM head, bf16 inputs;
   extra peak memory (``torch.cuda.max_memory_allocated`` above the inputs) and median time.
   ``lean``: the default (chunk matmuls in float32); ``lean bf16 matmul``: ``matmul_dtype=bf16``
-  (the matmuls in bf16 like the plain path's, softmax in float32). Plus the agreement of
+  (the matmuls in bf16 like the plain path's, softmax in float32); ``lean bf16 matmul, fused``:
+  the same with ``fused=True`` (each chunk's softmax statistics and logit gradient compiled by
+  inductor; the warm-up call compiles). Plus the agreement of
   values and gradients in float32 on CUDA.
 - ``torch``, ``torch-lean``, ``torch-bf16``, ``lora``, ``fsdp2``, ``deepspeed2``,
   ``deepspeed3``: one training step of a Qwen2-0.5B-config model (random weights; hidden 896,
@@ -39,6 +41,12 @@ Cases:
   (``--prompt`` + ``--response``) / 4 real tokens (first-fit decreasing), and packed + compiled.
   Tokens/s counts the real tokens; MFU the flops of each sample at its own length (so padding
   is not counted as work): compare ``ragged-packed`` with ``torch-lean`` (no padding at all).
+- ``rl-step``: a whole synchronous RL step without vLLM, random weights of the same model:
+  rollout with the transformers engine (``HFRolloutEngine``, bf16, ``--rows`` / 4 prompts x 4
+  samples, ``--gen`` tokens each with ``ignore_eos``), old log-probs, one packed + compiled
+  update of the torch engine (bf16 autocast, lean head), weights pushed back to the rollout
+  engine; reported: rollout tokens/s, train tokens/s and the step's seconds (median of
+  ``--steps`` after ``--warmup``).
 - ``agree``: on CUDA, float32: one step of the torch engine and of FSDP2 (world 1) from the
   same tiny Qwen2 on the same batch (max abs weight difference), and the torch engine's
   lean log-probs and gradients against its plain ones.
@@ -73,7 +81,7 @@ STEP_CASES = (
     "torch-packed", "torch-compiled", "torch-packed-compiled", "ragged-padded", "ragged-packed",
     "ragged-packed-compiled",
 )  # fmt: skip
-CASES = ("logprobs", "agree", *STEP_CASES)
+CASES = ("logprobs", "agree", *STEP_CASES, "rl-step")
 
 QWEN2_05B = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -151,11 +159,17 @@ def _lp_fns(hid, w, tok, chunk: int) -> dict:
         lp, ent = token_logprobs((hid @ w.T).float(), tok, with_entropy=True)
         (lp.sum() + ent.sum()).backward()
 
-    def lean(mdt=None):
-        lp, ent = lean_token_logprobs(hid, w, tok, with_entropy=True, chunk_tokens=chunk, matmul_dtype=mdt)
+    def lean(mdt=None, fused=False):
+        lp, ent = lean_token_logprobs(hid, w, tok, with_entropy=True, chunk_tokens=chunk, matmul_dtype=mdt,
+                                      fused=fused)  # fmt: skip
         (lp.sum() + ent.sum()).backward()
 
-    return {"plain": plain, "lean": lean, "lean bf16 matmul": lambda: lean(torch.bfloat16)}
+    return {
+        "plain": plain,
+        "lean": lean,
+        "lean bf16 matmul": lambda: lean(torch.bfloat16),
+        "lean bf16 matmul, fused": lambda: lean(torch.bfloat16, fused=True),
+    }
 
 
 def _lean_agreement(dev: str) -> dict:
@@ -317,6 +331,46 @@ def case_step(case: str, a: argparse.Namespace) -> list[dict]:
     return [row]
 
 
+def case_rl_step(a: argparse.Namespace) -> list[dict]:
+    import copy
+    from types import SimpleNamespace
+
+    from trainers.engines.base import SamplingParams, pack_generations
+    from trainers.engines.hf_rollout import HFRolloutEngine
+
+    dev, cfg = a.device, SMOKE if a.smoke else QWEN2_05B
+    model = _model(cfg)
+    tok = SimpleNamespace(eos_token_id=1, pad_token_id=0)
+    low = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    rollout = HFRolloutEngine(copy.deepcopy(model), tok, device=dev, dtype=low)
+    engine = _engine("ragged-packed-compiled", model, a)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, cfg["vocab_size"], (max(1, a.rows // 4), a.prompt), generator=g).tolist()
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=a.gen, ignore_eos=True, seed=0)
+    times, roll, train = [], [], []
+    for i in range(a.warmup + a.steps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        gens = rollout.generate(prompts, params)
+        _sync(dev)
+        t1 = time.perf_counter()
+        b = pack_generations(gens, 0)
+        b = type(b)(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in vars(b).items()})
+        budget = a.micro * (a.prompt + a.gen) // 4
+        _one_step(engine, b, a.micro, budget)
+        rollout.update_weights(engine.export_weights(), version=i + 1)
+        _sync(dev)
+        t2 = time.perf_counter()
+        if i >= a.warmup:
+            gen_tokens = sum(len(x.token_ids) for x in gens)
+            times.append(t2 - t0)
+            roll.append(gen_tokens / (t1 - t0))
+            train.append(int(b.attention_mask.sum()) / (t2 - t1))
+    return [dict(case="rl-step", device=dev, rows=len(prompts) * 4, prompt=a.prompt, gen=a.gen,
+                 s_per_step=statistics.median(times), rollout_tokens_per_s=statistics.median(roll),
+                 train_tokens_per_s=statistics.median(train))]  # fmt: skip
+
+
 # --------------------------------------------------------------------------- agreement
 def case_agree(a: argparse.Namespace) -> list[dict]:
     from trainers.engines.fsdp2_train import FSDP2TrainEngine
@@ -355,6 +409,8 @@ def _run_case(case: str, a: argparse.Namespace) -> list[dict]:
         return case_logprobs(a)
     if case == "agree":
         return case_agree(a)
+    if case == "rl-step":
+        return case_rl_step(a)
     return case_step(case, a)
 
 
@@ -379,7 +435,7 @@ def _table(rows: list[dict]) -> str:
                        f"{r['peak_gib']:.1f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")  # fmt: skip
         out.append("")
     for r in rows:
-        if r.get("case") in ("agree", "logprobs-agree", "env") or (
+        if r.get("case") in ("agree", "logprobs-agree", "env", "rl-step") or (
             "error" in r and r.get("case") != "logprobs"
         ):
             out.append("- " + json.dumps(r))
@@ -409,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--response", type=int, default=1536)
     p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--gen", type=int, default=512, help="tokens generated per sample in the rl-step case")
     p.add_argument("--chunk", type=int, default=1024, help="lean log-prob chunk (positions)")
     p.add_argument("--lp-batch", type=int, default=4, help="rows of the log-prob case (N = rows x T)")
     p.add_argument("--warmup", type=int, default=2)
@@ -420,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.smoke:
-        a.rows, a.prompt, a.response, a.micro, a.chunk, a.lp_batch = 4, 8, 16, 2, 5, 1
+        a.rows, a.prompt, a.response, a.micro, a.chunk, a.lp_batch, a.gen = 4, 8, 16, 2, 5, 1, 8
         a.warmup, a.steps, a.repeats = 1, 1, 1
     if a.one:
         try:

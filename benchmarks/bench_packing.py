@@ -23,6 +23,7 @@ printed, not asserted.
 
     python benchmarks/bench_packing.py                  # the recipe's model, ~15 min on 2 CPU cores
     python benchmarks/bench_packing.py --model random   # a 4-layer random Qwen2 config
+    python benchmarks/bench_packing.py --model random --compile --only packed --warmup 1  # compiled layers
     python benchmarks/bench_packing.py --quick          # smoke run
 """
 
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     )
     ap.add_argument("--seed", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    ap.add_argument("--compile", action="store_true", help="add a packed mode with train.compile (inductor)")
+    ap.add_argument("--only", default="", help="comma-separated mode-name prefixes to run (default: all)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     a = ap.parse_args(argv)
     if a.quick:
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     g = torch.Generator().manual_seed(a.seed)
     lens = lengths(B, a.median, a.sigma, a.cap, seed=a.seed)
     plens = torch.randint(a.prompt_min, a.prompt_max + 1, (a.prompts,), generator=g).tolist()
-    prompts = [torch.randint(3, vocab, (p,), generator=g).tolist() for p in plens for _ in range(a.n)]
+    distinct = [torch.randint(3, vocab, (p,), generator=g).tolist() for p in plens]
+    prompts = [q for q in distinct for _ in range(a.n)]  # the n samples of a prompt repeat it
     responses = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
     b = pack(prompts, responses, 0)
     adv = torch.randn(B, generator=g)[:, None] * b.response_mask
@@ -130,6 +134,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         ),
         f"packed, budget {a.budget}": (UpdateSpec(max_tokens_per_micro_batch=a.budget, packing=True), {"packing": True}),
     }  # fmt: skip
+    if a.compile:  # the first call of each new shape family compiles: give it --warmup rounds
+        fast = {"packing": True, "compile_backend": "inductor"}
+        modes[f"packed, {a.mbs} rows, compiled"] = (UpdateSpec(micro_batch_size=a.mbs, packing=True), fast)
+    if a.only:
+        modes = {k: v for k, v in modes.items() if k.startswith(tuple(a.only.split(",")))}
     times: dict[str, list[float]] = {k: [] for k in modes}
     info: dict[str, dict[str, float]] = {}
     with torch.no_grad():  # allocator and kernel warm-up, both paths

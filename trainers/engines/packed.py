@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from typing import Any
 
 import torch
@@ -53,7 +54,12 @@ PACKED_ATTENTION = "rollkit_packed"
 NATIVE_VARLEN = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
+_VARLEN_BROKEN: list[str] = []  # why this torch's varlen_attn could not be called (then the loop serves)
+
+
 def _varlen_kernel() -> Any:
+    if _VARLEN_BROKEN:
+        return None
     with contextlib.suppress(ImportError, AttributeError):
         from torch.nn.attention.varlen import varlen_attn
 
@@ -100,9 +106,16 @@ def packed_attention_forward(
     kernel = _varlen_kernel()
     if kernel is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         max_len = int(kwargs.get("max_length_q") or int(cu.diff().max()))
-        out = kernel(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, cu,
-                     max_len, max_len, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)  # fmt: skip
-        return out.unsqueeze(0), None
+        try:
+            out = kernel(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, cu,
+                         max_len, max_len, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)  # fmt: skip
+            return out.unsqueeze(0), None
+        except TypeError as e:  # an older torch's varlen_attn without these arguments: the loop below
+            _VARLEN_BROKEN.append(str(e))
+            warnings.warn(
+                f"train.packing: torch's varlen_attn refused the call ({e}); using the exact loop",
+                stacklevel=2,
+            )
     sdpa = torch.nn.functional.scaled_dot_product_attention
     kw = {"dropout_p": dropout, "is_causal": True, "scale": scaling, "enable_gqa": gqa}
     parts = [
