@@ -318,7 +318,7 @@ def case_step(case: str, a: argparse.Namespace) -> list[dict]:
     tps = tokens / s
     row = dict(case=case, device=dev, params=n_params, matmul_params=n_matmul, rows=a.rows,
                seq=a.prompt + a.response, micro=a.micro, tokens=tokens, s_per_step=s, tokens_per_s=tps,
-               padding_frac=1 - tokens / b.attention_mask.numel(), budget=budget,
+               batch_padding_frac=1 - tokens / b.attention_mask.numel(), budget=budget,
                mfu=flops / s / (a.peak_tflops * 1e12), peak_gib=(_peak(dev) - base) / 2**30,
                loss_first=losses[0], loss_last=losses[-1], finite=all(map(lambda x: x == x, losses)))  # fmt: skip
     if case == "fsdp2" and torch.distributed.is_initialized():

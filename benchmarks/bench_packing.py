@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         f"median {statistics.median(srt):g}, max {srt[-1]} ({srt[-1] / statistics.median(srt):.0f}x the median); "
         f"{tokens} real tokens; float32, {torch.get_num_threads()} threads, median of {a.repeats} rounds"
     )
-    print(f"{'mode':<36} {'padding':>8} {'micro':>6} {'s/update':>9} {'tokens/s':>9} {'vs padded':>10}")
+    print(f"{'mode':<36} {'padding':>8} {'micro':>6} {'s/update':>9} {'tokens/s':>9} {'vs first':>10}")
     for name, ts in times.items():
         med = statistics.median(ts)
         info[name].update(seconds=med, tokens_per_s=tokens / med, speedup=base / med)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from rollkit.packing import PackedLayout, pack_tokens, packed_layout, response_positions
+from trainers.deps import require
 
 __all__ = [
     "PACKED_ATTENTION",
@@ -85,8 +86,6 @@ def packed_attention_forward(
     (the dense equivalent is :func:`rollkit.packing.varlen_attention_mask`); ``attention_mask``
     is ignored then (the packed call passes a placeholder). Without it: transformers' ``sdpa``
     attention, for every ordinary call of the same model."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = kwargs.get("rollkit_prefix_groups")
     if groups is not None:
         return _prefix_attention(
@@ -94,6 +93,7 @@ def packed_attention_forward(
         ), None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
+        sdpa_attention_forward = require("transformers.integrations.sdpa_attention").sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)  # fmt: skip
     if kwargs.get("sliding_window") is not None:
@@ -173,11 +173,9 @@ def unwrap_hf(model: Any) -> Any:
 def enable_packing(model: Any) -> str:
     """Make ``model`` (a transformers model, under DeepSpeed / peft / FSDP2 wrappers) run packed
     calls; returns its attention implementation afterwards. Idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+    masking = require("transformers.masking_utils")
+    require("transformers").AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    masking.AttentionMaskInterface.register(PACKED_ATTENTION, masking.sdpa_mask)
     hf = unwrap_hf(model)
     config = getattr(hf, "config", None)
     impl = getattr(config, "_attn_implementation", None)
