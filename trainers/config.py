@@ -181,6 +181,10 @@ class TrainConfig:
     compile: bool = False
     compile_backend: str = "inductor"
     fused_optimizer: bool = False
+    # with model.dtype=bfloat16 / float16 on the torch engine: float32 master weights (gradients
+    # accumulated and the optimizer stepped in float32; trainers.engines.precision) instead of
+    # stepping the low-precision weights themselves. Needs train.autocast=off
+    master_weights: bool = False
     # LoRA (peft): > 0 trains rank-r adapters only; the rollout gets the merged weights and the
     # saved model is the merged one (trainers.engines.lora). alpha 0: = rank (scale 1)
     lora_rank: int = 0
@@ -1001,6 +1005,15 @@ def _check_common(cfg: Any) -> None:
         raise ValueError(
             "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "
             "with train.engine=deepspeed use train.zero_stage <= 2 (or logprob_chunk_tokens=0)"
+        )
+    if t.master_weights and (t.engine != "torch" or cfg.model.dtype not in ("bfloat16", "float16")):
+        raise ValueError(
+            "train.master_weights: needs train.engine=torch and model.dtype=bfloat16 or float16 "
+            "(DeepSpeed's bf16 mode and FSDP2's mixed_precision keep float32 masters themselves)"
+        )
+    if t.master_weights and t.autocast != "off":
+        raise ValueError(
+            "train.master_weights: the parameters are already low precision; set train.autocast=off"
         )
     if t.autocast in ("bfloat16", "float16") and t.engine != "torch":
         raise ValueError(

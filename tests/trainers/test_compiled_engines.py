@@ -1,4 +1,5 @@
-"""Compiled decoder layers and the fused AdamW (``train.compile``, ``train.fused_optimizer``;
+"""Compiled decoder layers, the fused AdamW and master weights (``train.compile``,
+``train.fused_optimizer``, ``train.master_weights``;
 trainers/engines/compiled.py) on the tiny Qwen2, CPU.
 
 Compilation must not change what is computed: the compiled engine's log-probs and weights after
@@ -109,3 +110,72 @@ def test_config_builds_compiled_fused_engines_and_refuses_unknown_backends(tok):
         validate(load_config(["--model", "tiny", "train.compile=true", "train.compile_backend=tvm"]))
     with pytest.raises(ValueError, match=r"train\.compile: .*no decoder layers"):
         compile_layers(torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------- master weights
+
+
+def test_master_weights_keep_float32_masters_and_bf16_parameters(tok):
+    """bf16 parameters, float32 masters: the optimizer steps the masters, the parameters are the
+    masters rounded after each step; micro-batches accumulate into one float32 gradient."""
+    ids, am, rm = ragged_batch()
+    m = tiny_qwen2(tok, seed=0)
+    eng = TorchTrainEngine(copy.deepcopy(m), dtype=torch.bfloat16, master_weights=True, lr=1e-2)
+    masters = eng._master.params
+    assert all(p.dtype == torch.bfloat16 for p in eng.model.parameters()) and all(
+        x.dtype == torch.float32 for x in masters
+    )
+    assert all(g["params"][0].dtype == torch.float32 for g in eng.optimizer.param_groups)
+    for half in (slice(0, 4), slice(4, 7)):  # two micro-batches
+        lp = eng.logprobs(ids[half], am[half], rm[half])
+        eng.backward(-lp.sum() / rm.sum())
+    assert all(p.grad is None for p in eng.model.parameters())  # moved into the masters
+    assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in masters)
+    out = eng.step()
+    assert out["skipped"] == 0 and out["grad_norm"] > 0
+    for p, x in eng._master.pairs:
+        assert torch.equal(p, x.to(torch.bfloat16))
+    moved = max((x - y.float()).abs().max().item() for x, y in zip(masters, m.parameters(), strict=True))
+    assert moved > 1e-3
+    # a checkpoint restores the masters exactly, not their bf16 rounding
+    state = copy.deepcopy(eng.state_dict())
+    other = TorchTrainEngine(copy.deepcopy(m), dtype=torch.bfloat16, master_weights=True, lr=1e-2)
+    other.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(other._master.params, masters, strict=True))
+
+
+def test_master_weights_keep_updates_that_bf16_weights_lose(tok):
+    """An update far below half a bf16 ulp of the weights: stepped in bf16 it vanishes; with
+    float32 masters it accumulates (SGD: the masters move by exactly lr * grad each step)."""
+    ids, am, rm = ragged_batch()
+    m = tiny_qwen2(tok, seed=0).to(torch.bfloat16)
+    sgd = lambda params: torch.optim.SGD(params, lr=1e-6)  # noqa: E731
+    plain = TorchTrainEngine(copy.deepcopy(m), dtype=torch.bfloat16, optimizer_factory=sgd, grad_clip=None)
+    master = TorchTrainEngine(copy.deepcopy(m), dtype=torch.bfloat16, optimizer_factory=sgd, grad_clip=None,
+                              master_weights=True)  # fmt: skip
+    for eng in (plain, master):
+        for _ in range(3):
+            eng.backward(-eng.logprobs(ids, am, rm).sum() / rm.sum())
+            eng.step()
+    w0 = m.model.layers[0].mlp.up_proj.weight.float()
+    assert torch.equal(plain.model.model.layers[0].mlp.up_proj.weight.float(), w0)  # lost
+    masters = {id(p): x for p, x in master._master.pairs}
+    up = master.model.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(up.float(), w0)  # the bf16 parameter has not moved yet either ...
+    assert (masters[id(up)] - w0).abs().max() > 0  # ... but its master has: kept
+
+
+def test_master_weights_config(tok):
+    from trainers.config import validate
+
+    ok = load_config(["--model", "tiny", "model.dtype=bfloat16", "train.master_weights=true"])
+    validate(ok)
+    eng = make_train_engine(ok, tiny_qwen2(tok, seed=0, dtype=torch.bfloat16), device="cpu")
+    assert eng._master is not None
+    with pytest.raises(ValueError, match=r"train\.master_weights: needs"):
+        validate(load_config(["--model", "tiny", "train.master_weights=true"]))  # float32 model
+    with pytest.raises(ValueError, match=r"train\.master_weights: .*autocast"):
+        validate(load_config(["--model", "tiny", "model.dtype=bfloat16", "train.master_weights=true",
+                              "train.autocast=bfloat16"]))  # fmt: skip
+    with pytest.raises(ValueError, match="master_weights"):
+        TorchTrainEngine(tiny_qwen2(tok, seed=0), master_weights=True)  # float32 parameters

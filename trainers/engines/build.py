@@ -282,7 +282,8 @@ def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy"
     kw["compile_backend"] = t.compile_backend if t.compile else None
     kw["fused_optimizer"] = bool(t.fused_optimizer)
     if t.engine == "torch":
-        eng: Any = TorchTrainEngine(model, autocast=train_autocast(cfg, device), **kw)
+        master = bool(t.master_weights) and dtype in (torch.bfloat16, torch.float16)
+        eng: Any = TorchTrainEngine(model, autocast=train_autocast(cfg, device), master_weights=master, **kw)
         eng.lora_export = _lora_export(cfg)
         return eng
     if t.engine == "deepspeed":

@@ -40,6 +40,7 @@ from trainers.engines.base import position_ids_from_mask
 from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.engines.packed import PackedCall, packed_call, scatter_response
+from trainers.engines.precision import MasterWeights
 from trainers.models import save_model
 
 __all__ = [
@@ -398,6 +399,10 @@ class TorchTrainEngine:
             ``None``: eager), :func:`trainers.engines.compiled.compile_layers`; on CUDA also the
             lean head's per-chunk softmax (``fused`` of :func:`rollkit.logprobs.lean_token_logprobs`).
         fused_optimizer: the default AdamW with ``fused=True`` where the device has the kernel.
+        master_weights: ``dtype`` bf16 / fp16 parameters with float32 master weights
+            (:class:`trainers.engines.precision.MasterWeights`): forward and backward on the
+            low-precision parameters with no autocast casts, gradients accumulated and the
+            optimizer stepped in float32, the parameters rounded from the masters after each step.
 
     A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
     ``metrics["skipped"] == 1``).
@@ -427,6 +432,7 @@ class TorchTrainEngine:
         packing: bool = False,
         compile_backend: str | None = None,
         fused_optimizer: bool = False,
+        master_weights: bool = False,
     ) -> None:
         if autocast not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
@@ -450,6 +456,13 @@ class TorchTrainEngine:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self._master = MasterWeights(params) if master_weights else None
+        if self._master is not None:
+            if autocast is not None:
+                raise ValueError(
+                    "master_weights: the parameters are already low precision; use autocast=None"
+                )
+            params = self._master.params  # the optimizer steps the float32 masters
         if optimizer is None:
             if optimizer_factory is not None:
                 optimizer = optimizer_factory(params)
@@ -528,9 +541,13 @@ class TorchTrainEngine:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def _trained(self) -> list[Tensor]:
+        """What the optimizer steps: the model's parameters, or their float32 masters."""
+        return self._master.params if self._master is not None else list(self.model.parameters())
+
     def _allreduce_grads(self) -> None:
         dist = torch.distributed
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self._trained() if p.grad is not None]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -551,11 +568,11 @@ class TorchTrainEngine:
         them if ``weight_decay > 0``; with the default 0 they do not move).
         """
         if self._world > 1:
-            for p in self.model.parameters():
+            for p in self._trained():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)  # every rank must contribute to the same all-reduce
             self._allreduce_grads()
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self._trained() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip is not None else math.inf
         if params:
             norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -566,6 +583,8 @@ class TorchTrainEngine:
             self.zero_grad()
             return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
         self.optimizer.step()
+        if self._master is not None:
+            self._master.copy_to_model()
         if self.scheduler is not None:
             self.scheduler.step()
         self.zero_grad()
@@ -609,11 +628,19 @@ class TorchTrainEngine:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "global_step": self.global_step,
+            "master": None if self._master is None else [m.detach() for m in self._master.params],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (strict about model keys)."""
         self.model.load_state_dict(state["model"], strict=True)
+        if self._master is not None:
+            if state.get("master") is not None:
+                with torch.no_grad():
+                    for m, saved in zip(self._master.params, state["master"], strict=True):
+                        m.copy_(saved)
+            else:  # a checkpoint without masters: start them from the (rounded) weights
+                self._master.copy_from_model()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
