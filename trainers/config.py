@@ -943,6 +943,20 @@ def _check_numbers(rows: list[tuple[str, Any, str]]) -> None:
             raise ValueError(f"{name} must be {text}, got {v!r}")
 
 
+def _check_master_weights(cfg: Any) -> None:
+    """``train.master_weights`` needs the torch engine, low-precision weights and no autocast."""
+    t = cfg.train
+    if t.master_weights and (t.engine != "torch" or cfg.model.dtype not in ("bfloat16", "float16")):
+        raise ValueError(
+            "train.master_weights: needs train.engine=torch and model.dtype=bfloat16 or float16 "
+            "(DeepSpeed's bf16 mode and FSDP2's mixed_precision keep float32 masters themselves)"
+        )
+    if t.master_weights and t.autocast != "off":
+        raise ValueError(
+            "train.master_weights: the parameters are already low precision; set train.autocast=off"
+        )
+
+
 def _check_common(cfg: Any) -> None:
     """Checks of the sections both trainers share (model, train, algorithm, dtypes, sampling)."""
     t, r, a = cfg.train, cfg.rollout, cfg.algorithm
@@ -1006,15 +1020,7 @@ def _check_common(cfg: Any) -> None:
             "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "
             "with train.engine=deepspeed use train.zero_stage <= 2 (or logprob_chunk_tokens=0)"
         )
-    if t.master_weights and (t.engine != "torch" or cfg.model.dtype not in ("bfloat16", "float16")):
-        raise ValueError(
-            "train.master_weights: needs train.engine=torch and model.dtype=bfloat16 or float16 "
-            "(DeepSpeed's bf16 mode and FSDP2's mixed_precision keep float32 masters themselves)"
-        )
-    if t.master_weights and t.autocast != "off":
-        raise ValueError(
-            "train.master_weights: the parameters are already low precision; set train.autocast=off"
-        )
+    _check_master_weights(cfg)
     if t.autocast in ("bfloat16", "float16") and t.engine != "torch":
         raise ValueError(
             f"train.autocast={t.autocast} applies to the torch engine; with "

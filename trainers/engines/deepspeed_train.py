@@ -177,6 +177,15 @@ def _detached_copy(obj: Any) -> Any:
     return obj
 
 
+def _check_chunk_tokens(logprob_chunk_tokens: Any) -> None:
+    if (
+        isinstance(logprob_chunk_tokens, bool)
+        or not isinstance(logprob_chunk_tokens, int)
+        or logprob_chunk_tokens < 0
+    ):
+        raise ValueError(f"logprob_chunk_tokens must be an int >= 0, got {logprob_chunk_tokens!r}")
+
+
 def _check_args(
     model: Any,
     zero_stage: Any,
@@ -292,12 +301,7 @@ class DeepSpeedTrainEngine:
         device = _check_args(
             model, zero_stage, lr, weight_decay, grad_clip, dtype, optimizer, optimizer_factory, device
         )
-        if (
-            isinstance(logprob_chunk_tokens, bool)
-            or not isinstance(logprob_chunk_tokens, int)
-            or logprob_chunk_tokens < 0
-        ):
-            raise ValueError(f"logprob_chunk_tokens must be an int >= 0, got {logprob_chunk_tokens!r}")
+        _check_chunk_tokens(logprob_chunk_tokens)
         if zero_stage == 3 and is_lora(model):
             raise ValueError(
                 "model: a LoRA (peft) model needs zero_stage <= 2 (the merged export reads whole weights)"
