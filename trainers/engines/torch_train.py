@@ -304,21 +304,25 @@ def response_logprobs(
         return _zero_outside(out, mask)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts)
+    out = _logit_outputs(logits, tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         with_entropy=with_entropy)  # fmt: skip
+    return _zero_outside(out, mask)
+
+
+def _logit_outputs(
+    logits: Tensor, tokens: Tensor, *, temperature: float, top_k: int, top_p: float, with_entropy: bool
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of ``tokens`` (and the entropy) from ``[..., V]`` logits: the rollout's top-k /
+    top-p replayed where it truncates (:func:`rollkit.logprobs.token_logprobs`), else the plain
+    tempered log-softmax (:func:`token_logprobs`, :func:`rollkit.losses.entropy_from_logits`)."""
     if 0 < top_k < logits.shape[-1] or top_p < 1.0:
-        out = replay_logprobs(
-            logits,
-            input_ids[:, L - T :],
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            with_entropy=with_entropy,
-        )
-        return _zero_outside(out, mask)
-    lp = token_logprobs(logits, input_ids[:, L - T :], temperature).masked_fill(~mask, 0.0)
+        return replay_logprobs(logits, tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               with_entropy=with_entropy)  # fmt: skip
+    lp = token_logprobs(logits, tokens, temperature)
     if not with_entropy:
         return lp
     z = logits.float() / temperature if temperature != 1.0 else logits.float()
-    return lp, entropy_from_logits(z).masked_fill(~mask, 0.0)
+    return lp, entropy_from_logits(z)
 
 
 def _packed_logprobs(
@@ -350,13 +354,8 @@ def _packed_logprobs(
         mdt = _lean_matmul_dtype(autocast, hidden.dtype)
         out = lean_token_logprobs(hidden, head.weight, call.targets, bias=head.bias, chunk_tokens=chunk_tokens,
                                   matmul_dtype=mdt, fused=fused, **sampling)  # fmt: skip
-    elif 0 < top_k < logits.shape[-1] or top_p < 1.0:
-        out = replay_logprobs(logits, call.targets, **sampling)
     else:
-        out = token_logprobs(logits, call.targets, temperature)
-        if with_entropy:
-            z = logits.float() / temperature if temperature != 1.0 else logits.float()
-            out = (out, entropy_from_logits(z))
+        out = _logit_outputs(logits, call.targets, **sampling)
     if isinstance(out, tuple):
         return tuple(scatter_response(o, call) for o in out)
     return scatter_response(out, call)
