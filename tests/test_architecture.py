@@ -34,6 +34,7 @@ LAYERS = [
     ("trainers.config", 1),
     ("trainers.data", 1),
     ("trainers.models", 1),
+    ("trainers.vision", 1),
     ("trainers.tracking", 1),
     ("trainers.engines", 2),
     ("trainers.rewards", 3),

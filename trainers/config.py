@@ -33,6 +33,7 @@ from typing import Any, Union
 
 from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from trainers.models import is_hub_id
+from trainers.vision import is_vision_checkpoint
 
 __all__ = [
     "ALIASES",
@@ -77,7 +78,10 @@ __all__ = [
 class ModelConfig:
     """The policy. ``path``: an HF causal-LM directory; ``""`` = the embedded default
     (SmolLM2-135M-Instruct, :func:`trainers.models.default_model_path`); ``"tiny"`` = a random
-    tiny Qwen2 with the character tokenizer (tests)."""
+    tiny Qwen2 with the character tokenizer (tests); ``"tiny_vl"`` = a random tiny Qwen2-VL
+    (:func:`trainers.vision.tiny_qwen2_vl`). A vision-language checkpoint (its config has a
+    ``vision_config``: Qwen2-VL, Qwen2.5-VL...) loads with its processor; prompts may then carry
+    images (:mod:`trainers.vision`)."""
 
     path: str = ""
     dtype: str = "float32"
@@ -86,13 +90,16 @@ class ModelConfig:
     # 32) when rollout.engine is vllm or server, whose CPU attention has no head size 16
     tiny_heads: int = 0
     tiny_kv_heads: int = 2
+    # a vision-language model: freeze its image tower and projector (false: train them too)
+    freeze_vision: bool = True
 
 
 @dataclass
 class DataConfig:
     """Prompts: a JSONL / Parquet file (verl-style fields) or a procedural task."""
 
-    task: str = "addition"  # procedural task when train_file is empty: "addition"
+    # procedural task when train_file is empty: "addition", or "shapes" (images: trainers.domains.shapes_task)
+    task: str = "addition"
     digits: int = 2  # operand digits of the addition task (1 or 2)
     train_file: str = ""  # JSONL, Parquet, a datasets directory (save_to_disk) or a hub dataset name
     eval_file: str = ""
@@ -1040,7 +1047,7 @@ def _check_common(cfg: Any) -> None:
 
 
 def _check_model_path(path: str, name: str = "model.path") -> None:
-    if path not in ("", "tiny") and not Path(path).exists() and not is_hub_id(path):
+    if path not in ("", "tiny", "tiny_vl") and not Path(path).exists() and not is_hub_id(path):
         raise ValueError(
             f"{name}: {path} does not exist (give a local HF checkpoint directory, a hub name "
             "such as Qwen/Qwen2.5-0.5B-Instruct, or '' / tiny)"
@@ -1269,7 +1276,7 @@ DOMAIN_KEYS = (
 )
 
 #: procedural tasks a domain may name (``trainers.domains.TASKS``)
-TASK_NAMES = ("addition", "functions", "formats", "choice")
+TASK_NAMES = ("addition", "functions", "formats", "choice", "shapes")
 
 
 @dataclass(frozen=True)
@@ -1373,7 +1380,7 @@ def _check_data(c: Config) -> None:
             "data.eval_file: set data.train_file too (the procedural task has its own held-out split)"
         )
     if not d.train_file:
-        _check_names(c, [("data.task", d.task, ("addition",)), ("data.digits", d.digits, (1, 2, 3))])
+        _check_names(c, [("data.task", d.task, ("addition", "shapes")), ("data.digits", d.digits, (1, 2, 3))])
 
 
 def _check_domain_run(c: Config) -> None:
@@ -1484,8 +1491,28 @@ def validate(cfg: Config) -> None:
         )
     _check_checkpoint(c)
     _check_tail_batching(c)
+    _check_vision(c)
     if c.asynchronous.enabled:
         validate_async(c)
+
+
+def _check_vision(c: Config) -> None:
+    """What a vision-language policy (``model.path=tiny_vl`` or a checkpoint with a
+    ``vision_config``) cannot do yet, by name."""
+    if not (c.model.path == "tiny_vl" or (c.model.path and is_vision_checkpoint(c.model.path))):
+        return
+    refused = [
+        (c.rollout.engine == "server", "rollout.engine=server",
+         "vLLM's token-in completions API takes no images; use rollout.engine=vllm or hf"),
+        (c.train.packing, "train.packing", "packed micro-batches do not carry image inputs yet"),
+        (critic_needed(c), f"algorithm.advantage={c.algorithm.advantage}",
+         "the critic's value forward does not take image inputs yet"),
+        (c.train.engine == "fsdp2" and c.train.logprob_chunk_tokens > 0, "train.logprob_chunk_tokens",
+         "the FSDP2 engine's lean head runs the text decoder only"),
+    ]  # fmt: skip
+    for bad, field_, why in refused:
+        if bad:
+            raise ValueError(f"{field_}: not with a vision-language model ({c.model.path}): {why}")
 
 
 def server_addresses(spec: str) -> list[str]:

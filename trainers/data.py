@@ -25,6 +25,7 @@ from typing import Any
 
 from trainers.deps import require
 from trainers.models import is_hub_id
+from trainers.vision import encode_images, load_image, processor_of
 
 __all__ = [
     "Prompt",
@@ -41,14 +42,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Prompt:
-    """One question: ``text`` (a string, or chat messages), ``answer``, ``data_source``, and
+    """One question: ``text`` (a string, or chat messages), ``answer``, ``data_source``,
     ``domain``: the name of the ``data.domains`` entry whose verifier scores it (``""`` in a
-    run with one domain)."""
+    run with one domain), and ``images``: the PIL images the question shows (``()``: text only;
+    :mod:`trainers.vision`)."""
 
     text: Any
     answer: str
     data_source: str = "default"
     domain: str = ""
+    images: tuple[Any, ...] = ()
 
 
 def addition_task(
@@ -165,6 +168,7 @@ def load_prompts(path: str | Path, *, field: str = "path", split: str = "train")
     with verl's fields (``prompt``, the answer in ``answer`` / ``ground_truth`` /
     ``reward_model.ground_truth``, ``data_source``; IFEval's ``instruction_id_list`` and
     ``kwargs`` become the answer as JSON; ``domain`` tags the record for a ``data.domains`` run).
+    ``images`` (or ``image``) lists a record's images (:func:`trainers.vision.load_image`).
     A bad file or record raises ``ValueError``
     naming ``field``, the file and the line (or row)."""
     if Path(path).is_dir() or is_hub_id(path):
@@ -186,10 +190,22 @@ def load_prompts(path: str | Path, *, field: str = "path", split: str = "train")
         domain = rec.get("domain") or ""
         if not isinstance(domain, str):
             raise ValueError(f"{field}: {where}: 'domain' must be a string, got {domain!r}")
-        out.append(Prompt(text, answer, str(rec.get("data_source") or "default"), domain))
+        images = _record_images(rec, where, field, path.parent if path.is_file() else None)
+        out.append(Prompt(text, answer, str(rec.get("data_source") or "default"), domain, images))
     if not out:
         raise ValueError(f"{field}: {path} holds no prompts")
     return out
+
+
+def _record_images(rec: dict[str, Any], where: str, field: str, base: Path | None) -> tuple[Any, ...]:
+    """The images of a record (``images``: a list, or ``image``: one): file paths (relative to the
+    data file's directory), bytes, PIL images or ``datasets`` image dicts, each loaded now so a
+    missing or unreadable one is named with its record."""
+    value = rec.get("images", rec.get("image"))
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(load_image(v, where=f"{field}: {where}: image {i}", base=base) for i, v in enumerate(items))
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -198,9 +214,20 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: str = "auto") -> list[int]:
     """Token ids of ``prompt``: through the chat template (``"auto"``: when the tokenizer has
-    one; ``"on"``; ``"off"``), else the plain text (``"12+34="``)."""
+    one; ``"on"``; ``"off"``), else the plain text (``"12+34="``). A prompt with images goes
+    through the processor attached to ``tokenizer`` (:func:`trainers.vision.encode_images`:
+    its chat template, the placeholders expanded) and comes back as a
+    :class:`trainers.vision.ImagePrompt` carrying the image inputs."""
     if chat_template not in ("auto", "on", "off"):
         raise ValueError(f"chat_template must be auto, on or off, got {chat_template!r}")
+    if prompt.images:
+        processor = processor_of(tokenizer)
+        if processor is None:
+            raise ValueError(
+                "data: a prompt has images but the model has no image processor "
+                "(model.path must name a vision-language model, e.g. Qwen2-VL)"
+            )
+        return encode_images(processor, prompt.text, prompt.images)
     use_chat = chat_template == "on" or (chat_template == "auto" and has_chat_template(tokenizer))
     text = prompt.text
     if use_chat:

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ import torch
 from rollkit.domains import DomainSampler
 from trainers.config import Config, DomainSpec, domain_specs
 from trainers.data import Prompt, PromptIterator, addition_task, build_prompts, load_prompts
+from trainers.vision import SHAPE_QUESTIONS, shape_image
 
 __all__ = [
     "TASKS",
@@ -46,6 +49,8 @@ __all__ = [
     "functions_task",
     "make_iterator",
     "run_prompts",
+    "shapes_task",
+    "write_image_records",
 ]
 
 CODE_FORMAT = "rollkit.code/v1"  # trainers.rewards.code.FORMAT (that layer sits above this one)
@@ -184,11 +189,66 @@ def choice_task(*, eval_size: int = 50, seed: int = 0) -> tuple[list[Prompt], li
 
 
 #: name -> ``(eval_size=, seed=, **task_options) -> (train, held_out)``: the built-in domain tasks
+def shapes_task(
+    *,
+    kinds: Sequence[str] = ("colour", "position"),
+    train_size: int = 400,
+    eval_size: int = 64,
+    image_size: int = 56,
+    seed: int = 0,
+) -> tuple[list[Any], list[Any]]:
+    """``(train, held_out)`` prompts of a synthetic visual task: one image each (squares on grey,
+    :func:`shape_image`) and a question of one of ``kinds`` (:data:`SHAPE_QUESTIONS`: the square's
+    colour, its quadrant, or how many squares there are), answered with a number 1-4 (the
+    ``exact_match`` verifier scores it). Held-out images are drawn after the train ones from the
+    same seeded stream (fresh random shades, sizes and offsets). ``data_source``: ``shapes_<kind>``.
+
+    >>> train, held = shapes_task(train_size=4, eval_size=2)
+    >>> len(train), len(held), train[0].images[0].size, train[0].answer in "1234"
+    (4, 2, (56, 56), True)
+    """
+    bad = [k for k in kinds if k not in SHAPE_QUESTIONS]
+    if bad or not kinds:
+        raise ValueError(f"kinds: expected some of {sorted(SHAPE_QUESTIONS)}, got {list(kinds)}")
+    if train_size < 1 or eval_size < 0:
+        raise ValueError(f"train_size must be >= 1 and eval_size >= 0, got {train_size}, {eval_size}")
+    rng = random.Random(seed)
+    out = []
+    for i in range(train_size + eval_size):
+        kind = kinds[i % len(kinds)]
+        colour, quadrant, count = rng.randrange(4), rng.randrange(4), rng.randrange(1, 5) if kind == "count" else 1
+        img = shape_image(colour, quadrant, count=count, size=image_size, rng=rng)
+        answer = {"colour": colour + 1, "position": quadrant + 1, "count": count}[kind]
+        out.append(Prompt(SHAPE_QUESTIONS[kind], str(answer), f"shapes_{kind}", images=(img,)))
+    return out[:train_size], out[train_size:]
+
+
+def write_image_records(prompts: Sequence[Any], path: str | os.PathLike) -> Path:
+    """Write ``prompts`` as a JSONL file at ``path`` (``prompt``, ``answer``, ``data_source``,
+    ``images``: PNG files in ``<path stem>_images/``, named relative to the file), the layout
+    :func:`trainers.data.load_prompts` reads. Returns the path."""
+    path = Path(path)
+    folder = path.parent / f"{path.stem}_images"
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, p in enumerate(prompts):
+        names = []
+        for j, img in enumerate(p.images):
+            name = f"{folder.name}/{i:05d}_{j}.png"
+            img.save(path.parent / name)
+            names.append(name)
+        rec = {"prompt": p.text, "answer": p.answer, "data_source": p.data_source, "images": names}
+        lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 TASKS: dict[str, Callable[..., tuple[list[Prompt], list[Prompt]]]] = {
     "addition": addition_domain,
     "functions": functions_task,
     "formats": formats_task,
     "choice": choice_task,
+    "shapes": shapes_task,
 }
 
 
@@ -358,6 +418,10 @@ def make_iterator(cfg: Config, train_prompts: Sequence[Prompt]) -> PromptIterato
 
 
 def run_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
-    """``(train, held_out)`` of ``cfg``: :func:`build_domain_prompts` with ``data.domains``, else
-    :func:`trainers.data.build_prompts`."""
-    return build_domain_prompts(cfg) if domain_specs(cfg) else build_prompts(cfg)
+    """``(train, held_out)`` of ``cfg``: :func:`build_domain_prompts` with ``data.domains``, the
+    visual :func:`shapes_task` for ``data.task=shapes``, else :func:`trainers.data.build_prompts`."""
+    if domain_specs(cfg):
+        return build_domain_prompts(cfg)
+    if not cfg.data.train_file and cfg.data.task == "shapes":
+        return shapes_task(eval_size=cfg.data.eval_size, seed=cfg.seed)
+    return build_prompts(cfg)

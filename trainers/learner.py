@@ -181,6 +181,7 @@ def _micro_batch_loss(
         top_k=spec.top_k,
         top_p=spec.top_p,
         with_entropy=True,
+        **mb.model_inputs(),
     )
     mask = loss_mask(mb)
     avail = {
@@ -409,7 +410,7 @@ def nll_loss(
     """Teacher-forced token-mean negative log-likelihood of ``responses`` after ``prompts``
     (token ids), through the TrainEngine interface."""
     b = pack(prompts, responses, pad_token_id)
-    lp = engine.logprobs(b.input_ids, b.attention_mask, b.response_mask)
+    lp = engine.logprobs(b.input_ids, b.attention_mask, b.response_mask, **b.model_inputs())
     return aggregate(-lp, b.response_mask, "token-mean")
 
 

@@ -30,12 +30,14 @@ from trainers.deps import require
 
 __all__ = [
     "TINY_RL_OVERRIDES",
+    "attach_processor",
     "DEFAULT_ALPHABET",
     "SMOLLM2_GGUF",
     "SPECIAL_TOKENS",
     "char_tokenizer",
     "default_model_path",
     "load_model",
+    "processor_of",
     "save_model",
     "tiny_qwen2",
 ]
@@ -166,20 +168,36 @@ def tiny_qwen2(
     return model.to(dtype).eval()
 
 
+def attach_processor(tokenizer: Any, processor: Any) -> Any:
+    """Let a vision-language model's ``processor`` travel with its ``tokenizer`` (the object every
+    role already passes around; :mod:`trainers.vision`); returns the tokenizer."""
+    tokenizer._rollkit_processor = processor
+    return tokenizer
+
+
+def processor_of(tokenizer: Any) -> Any:
+    """The processor attached to ``tokenizer`` (:func:`attach_processor`), else ``None``."""
+    return getattr(tokenizer, "_rollkit_processor", None)
+
+
 def save_model(
     model: Any, tokenizer: Any, path: str | os.PathLike, *, state_dict: dict[str, Any] | None = None
 ) -> Path:
     """``save_pretrained`` of the model (safetensors) and the tokenizer into ``path``; returns it.
     ``state_dict``: the weights to write instead of the module's own (e.g. gathered from ZeRO-3
     shards); the module gives the architecture and config. Loadable by
-    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and by vLLM."""
+    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` and by vLLM. A tokenizer with a
+    processor attached (a vision-language model) saves the processor (image processor, chat
+    template and tokenizer)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if state_dict is None:
         model.save_pretrained(path)
     else:
         model.save_pretrained(path, state_dict=state_dict)
-    if tokenizer is not None:
+    if processor_of(tokenizer) is not None:
+        processor_of(tokenizer).save_pretrained(path)
+    elif tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
 

@@ -34,6 +34,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from trainers.vision import collate, image_inputs
+
 __all__ = [
     "Generation",
     "PackedBatch",
@@ -222,6 +224,8 @@ class PackedBatch:
     # [B, T] bool: tokens that get the entropy bonus (AsyPPO's filter, rollkit.critics); None: all
     entropy_keep: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    # per row: the prompt's image inputs (trainers.vision; None: no image); None: a text batch
+    images: list[dict[str, Tensor] | None] | None = None
 
     @property
     def responses(self) -> Tensor:  # [B, T]
@@ -240,7 +244,24 @@ class PackedBatch:
             is_weights=None if self.is_weights is None else self.is_weights[rows],
             keep=None if self.keep is None else self.keep[rows],
             entropy_keep=None if self.entropy_keep is None else self.entropy_keep[rows],
+            images=None if self.images is None else _select(self.images, rows),
         )
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The extra keyword arguments of a train engine's ``logprobs`` for these rows:
+        ``{"inputs": <the rows' image inputs, collated>}`` when a row has images, else ``{}``."""
+        inputs = None if self.images is None else collate(self.images)
+        return {} if inputs is None else {"inputs": inputs}
+
+
+def _select(items: list[Any], rows: slice | Tensor) -> list[Any]:
+    """``items[rows]`` for a slice, an index tensor or a boolean mask."""
+    if isinstance(rows, slice):
+        return items[rows]
+    rows = torch.as_tensor(rows)
+    if rows.dtype == torch.bool:
+        rows = rows.nonzero().flatten()
+    return [items[int(i)] for i in rows.flatten().tolist()]
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -296,7 +317,11 @@ def pack(
             input_ids[i, P : P + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
             attention_mask[i, P : P + len(r)] = 1
             response_mask[i, : len(r)] = True
-    return PackedBatch(input_ids, attention_mask, response_mask, P)
+    images = [image_inputs(p) for p in prompts]  # prompts with images (trainers.vision.ImagePrompt)
+    return PackedBatch(
+        input_ids, attention_mask, response_mask, P,
+        images=images if any(x is not None for x in images) else None,
+    )  # fmt: skip
 
 
 def pack_generations(
@@ -336,5 +361,5 @@ def batch_logprobs(
     out = []
     for i in range(0, batch.input_ids.shape[0], micro_batch_size):
         mb = batch[i : i + micro_batch_size]
-        out.append(policy.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw))
+        out.append(policy.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, **kw, **mb.model_inputs()))
     return torch.cat(out)

@@ -36,6 +36,13 @@ from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.engines.vllm_rollout import VLLMRolloutEngine
 from trainers.models import char_tokenizer, default_model_path, is_hub_id, load_model, save_model, tiny_qwen2
+from trainers.vision import (
+    freeze_vision,
+    is_vision_checkpoint,
+    load_vision_model,
+    tiny_qwen2_vl,
+    vision_tokenizer,
+)
 
 __all__ = [
     "DTYPES",
@@ -143,10 +150,20 @@ def tiny_heads(cfg: Any) -> int:
 
 def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of ``cfg.model``: the tiny Qwen2 + character tokenizer for
-    ``"tiny"`` (``max_positions`` long), else a local Hugging Face checkpoint (``""``: the
-    embedded default)."""
+    ``"tiny"`` (``max_positions`` long), the tiny Qwen2-VL for ``"tiny_vl"``, else a local Hugging
+    Face checkpoint (``""``: the embedded default); a vision-language one with its processor
+    attached to the tokenizer and, with ``model.freeze_vision``, its image tower frozen."""
     dtype = parse_dtype(cfg.model.dtype)
     m = cfg.model
+    if m.path == "tiny_vl" or (m.path not in ("", "tiny") and is_vision_checkpoint(m.path)):
+        if m.path == "tiny_vl":
+            tok = vision_tokenizer()
+            model, _ = tiny_qwen2_vl(tok, seed=m.tiny_seed, dtype=dtype, max_positions=max(max_positions, 1024))
+        else:
+            model, tok = load_vision_model(m.path, dtype=dtype)
+        if m.freeze_vision:
+            freeze_vision(model)
+        return model, tok
     if m.path == "tiny":
         tok = char_tokenizer()
         model = tiny_qwen2(

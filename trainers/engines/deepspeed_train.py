@@ -372,6 +372,7 @@ class DeepSpeedTrainEngine:
         with_entropy: bool = False,
         top_k: int = -1,
         top_p: float = 1.0,
+        inputs: dict[str, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T]`` float32 log-probs of the response tokens (the last ``T`` columns), 0
         where ``response_mask`` is False; with ``with_entropy`` also the ``[B, T]`` entropy of
@@ -390,6 +391,7 @@ class DeepSpeedTrainEngine:
             device=self.device,
             chunk_tokens=self.logprob_chunk_tokens,
             packed=self.packing,
+            inputs=inputs,
         )
 
     def backward(self, loss: Tensor) -> None:

@@ -301,6 +301,7 @@ class FSDP2TrainEngine:
         with_entropy: bool = False,
         top_k: int = -1,
         top_p: float = 1.0,
+        inputs: dict[str, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T]`` float32 log-probs of the response tokens (the last ``T`` columns), 0
         where ``response_mask`` is False; with ``with_entropy`` also the ``[B, T]`` entropy.
@@ -320,6 +321,7 @@ class FSDP2TrainEngine:
             device=self.device,
             chunk_tokens=chunk,
             packed=self.packing,
+            inputs=inputs,
         )
         if not torch.is_grad_enabled():
             # No backward will reshard what this forward gathered (the root, and every layer

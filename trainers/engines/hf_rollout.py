@@ -37,6 +37,8 @@ from torch import Tensor
 
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
+from trainers.vision import collate, image_inputs, to_device, vision_token_ids
+from trainers.vision import position_ids as vision_position_ids
 
 __all__ = ["HFRolloutEngine", "decode_step", "process_logits", "sample_tokens"]
 
@@ -90,7 +92,10 @@ def prefill(
     model: Any, seqs: Sequence[Sequence[int]], pad_id: int, device: Any
 ) -> tuple[Tensor, Tensor, Any, Tensor]:
     """Left-pad ``seqs`` to one width and run them through ``model`` with a KV cache; returns
-    ``(attention_mask, position_ids, cache, last_logits)`` for :func:`decode_step`."""
+    ``(attention_mask, position_ids, cache, last_logits)`` for :func:`decode_step`. Prompts with
+    images (:class:`trainers.vision.ImagePrompt`) bring their image inputs to the forward, with
+    the model's own positions (Qwen2-VL's M-RoPE); the returned positions are then the text
+    axis, whose last column continues as a plain text position in the decode steps."""
     width = max(len(x) for x in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -98,6 +103,11 @@ def prefill(
         ids[b, width - len(x) :] = torch.tensor(list(x))
         mask[b, width - len(x) :] = 1
     ids, mask = ids.to(device), mask.to(device)
+    inputs = to_device(collate([image_inputs(x) for x in seqs]), device)
+    if inputs:
+        pos3 = vision_position_ids(model, ids, mask, inputs)
+        o = model(input_ids=ids, attention_mask=mask, position_ids=pos3, use_cache=True, logits_to_keep=1, **inputs)
+        return mask, pos3[0] if pos3.dim() == 3 else pos3, o.past_key_values, o.logits[:, -1]
     pos = position_ids_from_mask(mask)
     o = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
     return mask, pos, o.past_key_values, o.logits[:, -1]
@@ -115,6 +125,11 @@ def decode_step(
         input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
     )
     return mask, pos, o.past_key_values, o.logits[:, -1]
+
+
+def _ids(p: Sequence[int]) -> list[int]:
+    """A prompt's ids as a list of ints; a prompt with images is kept as is (its inputs travel)."""
+    return p if image_inputs(p) is not None else list(map(int, p))
 
 
 class HFRolloutEngine:
@@ -158,6 +173,7 @@ class HFRolloutEngine:
         for e in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
             if e is not None:
                 eos.update([e] if isinstance(e, int) else e)
+        eos.update(vision_token_ids(model))  # a VLM's sample ends at a vision token (trainers.vision)
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
         pad = tokenizer.pad_token_id
         self.pad_token_id: int = pad if pad is not None else (self.eos_token_ids or (0,))[0]
@@ -206,7 +222,7 @@ class HFRolloutEngine:
             raise RuntimeError("weights were discarded by sleep(level=2): call update_weights() first")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        rows = [(i, list(map(int, p))) for i, p in enumerate(prompts) for _ in range(params.n)]
+        rows = [(i, _ids(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
         seed = params.seed if params.seed is not None else random.randrange(2**63)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         stop = set(params.stop_token_ids)
@@ -231,9 +247,13 @@ class HFRolloutEngine:
         B, dev = len(rows), self.device
         # Prefill each distinct prompt once (the n samples of a prompt repeat it), then gather
         # its KV cache and last logits to every row that samples from it.
-        first: dict[tuple[int, ...], int] = {}
-        inv = torch.tensor([first.setdefault(tuple(p), len(first)) for _, p in rows], device=dev)
-        uniq = list(first)
+        # (A prompt with images is keyed by its object too: two images can give the same ids.)
+        keys = [(tuple(p), id(p) if image_inputs(p) is not None else 0) for _, p in rows]
+        first: dict[tuple[Any, int], int] = {}
+        inv = torch.tensor([first.setdefault(k, len(first)) for k in keys], device=dev)
+        uniq: list[Any] = [None] * len(first)  # each distinct prompt (the row's own list: it may carry images)
+        for k, (_, p) in zip(keys, rows):
+            uniq[first[k]] = uniq[first[k]] or p
         mask, pos, cache, logits = prefill(self.model, uniq, self.pad_token_id, dev)
         if len(uniq) < B:
             cache.batch_select_indices(inv)

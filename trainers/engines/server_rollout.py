@@ -35,6 +35,7 @@ from trainers.engines.requests import Request, _check_new
 from trainers.engines.server_pool import ServerPool
 from trainers.engines.vllm_rollout import _check_cpu_head_size, _checkpoint_shapes
 from trainers.engines.vllm_server import LocalServer, ServerClient, ServerError, launch_servers, stop_servers
+from trainers.vision import image_inputs
 
 __all__ = ["ServerRolloutEngine", "reload_weights_on", "weights_to_send"]
 
@@ -126,6 +127,15 @@ def reload_weights_on(client: ServerClient, weights_dir: Path, version: int, tim
         client.post("/collective_rpc", body, timeout=timeout)
     client.post("/reset_prefix_cache")
     client.post("/update_weight_version", {"new_version": str(int(version))})
+
+
+def _check_text(ids: Sequence[int]) -> None:
+    """Servers take token ids only: refuse a prompt with images by name."""
+    if image_inputs(ids) is not None:
+        raise ValueError(
+            "rollout.engine=server: a prompt has images, and vLLM's token-in completions API takes "
+            "none; use rollout.engine=vllm (in process) or hf for a vision-language model"
+        )
 
 
 class ServerRolloutEngine:
@@ -286,6 +296,7 @@ class ServerRolloutEngine:
     def add(self, requests: Sequence[Request]) -> None:
         held = set(self._jobs)
         for r in requests:
+            _check_text(r.prompt_ids)
             _check_new(r, held)
             held.add(r.request_id)
             self._check_length(r)
@@ -446,6 +457,8 @@ class ServerRolloutEngine:
         (sample ``j`` seeded with ``params.seed + j``). Do not mix with running requests."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        for p in prompts:
+            _check_text(p)
         if not prompts:
             return []
         seed = params.seed if params.seed is not None else random.randrange(2**62)

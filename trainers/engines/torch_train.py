@@ -42,6 +42,8 @@ from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.engines.packed import PackedCall, packed_call, scatter_response
 from trainers.engines.precision import MasterWeights
 from trainers.models import save_model
+from trainers.vision import position_ids as vision_position_ids
+from trainers.vision import text_only_response, to_device, vision_base
 
 __all__ = [
     "TorchTrainEngine",
@@ -77,6 +79,7 @@ def response_logits(
     T: int,
     *,
     share_prompts: bool = True,
+    inputs: dict[str, Tensor] | None = None,
 ) -> Tensor:  # [B, T, V]
     """The logits that predict the ``T`` response tokens: row ``b``, column ``t`` holds the
     logits at position ``P - 1 + t`` (which predict token ``P + t``).
@@ -91,9 +94,18 @@ def response_logits(
     compute (``U`` distinct prompts). Used when there are fewer distinct prompts than rows;
     otherwise, and with ``share_prompts=False``, one ordinary forward over ``[B, P + T]``
     (only the last ``T + 1`` positions go through the LM head).
+
+    ``inputs``: the rows' image inputs (a vision-language model, :mod:`trainers.vision`):
+    passed to the forward with the model's own positions (M-RoPE); no prompt sharing then.
     """
     B, L = input_ids.shape
     P = L - T
+    if inputs:
+        ids = text_only_response(model, input_ids, T)
+        pos = vision_position_ids(model, ids, attention_mask, inputs)
+        out = model(input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
+                    logits_to_keep=T + 1, **inputs)  # fmt: skip
+        return out.logits[:, :-1]
     pos = position_ids_from_mask(attention_mask)
     if share_prompts and B > 1 and T > 0:
         uniq, inv = torch.unique(
@@ -143,23 +155,31 @@ def response_hidden(
     input_ids: Tensor,  # [B, P + T]
     attention_mask: Tensor,  # [B, P + T]
     T: int,
+    inputs: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Any]:  # [B, T, H], the LM head module
     """The final hidden states that predict the ``T`` response tokens (positions ``P - 1 + t``)
     and the LM head, for :func:`rollkit.logprobs.lean_token_logprobs`: one forward of the
     decoder (``get_decoder()`` of a Hugging Face causal LM; a DeepSpeed engine's ``module``),
-    no logits."""
+    no logits. ``inputs``: image inputs (:func:`response_logits`), through the multimodal base
+    model (``model.model``) instead of the text decoder."""
     get_decoder, get_head = _decoder_and_head(model)
     if get_head() is None:
         raise ValueError(
             f"train.logprob_chunk_tokens: {type(getattr(model, 'module', model)).__name__} has no LM head "
             "(get_output_embeddings() is None); set train.logprob_chunk_tokens=0"
         )
-    out = get_decoder()(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
+    if inputs:
+        ids = text_only_response(model, input_ids, T)
+        pos = vision_position_ids(model, ids, attention_mask, inputs)
+        out = vision_base(model)(input_ids=ids, attention_mask=attention_mask, position_ids=pos,
+                                 use_cache=False, **inputs)  # fmt: skip
+    else:
+        out = get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
     L = input_ids.shape[1]
     return out.last_hidden_state[:, L - T - 1 : L - 1], get_head()
 
@@ -224,6 +244,7 @@ def response_logprobs(
     chunk_tokens: int = 0,
     packed: bool = False,
     fused: bool | str = False,
+    inputs: dict[str, Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The training engines' ``logprobs``: ``[B, T]`` float32 log-probs of the response tokens
     (the last ``T`` columns of ``input_ids``), 0 where ``response_mask`` is False, and with
@@ -260,6 +281,11 @@ def response_logprobs(
     ``fused`` (with ``chunk_tokens > 0``): the lean head's per-chunk softmax statistics and
     logit gradients compiled (:func:`rollkit.logprobs.lean_token_logprobs`' ``fused``: ``True``
     or a ``torch.compile`` backend name).
+
+    ``inputs``: the rows' image inputs (a vision-language model; :mod:`trainers.vision`),
+    collated (:func:`trainers.vision.collate`): the forward gets them and the model's own
+    positions (Qwen2-VL's M-RoPE); plain and lean heads as for text; no prompt sharing and no
+    packing with images.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -282,6 +308,7 @@ def response_logprobs(
             chunk_tokens=chunk_tokens,
             packed=packed,
             fused=fused,
+            inputs=inputs,
         )
         pad = (0, T - T_used)
         if with_entropy:
@@ -290,20 +317,23 @@ def response_logprobs(
     input_ids, attention_mask = input_ids.to(dev), attention_mask.to(dev)
     mask = response_mask.to(dev, dtype=torch.bool)
     tokens = input_ids[:, L - T :]
+    inputs = to_device(inputs, dev)
+    if packed and inputs:
+        raise ValueError("train.packing: not supported with image inputs yet (set train.packing=false)")
     if packed:
         return _packed_logprobs(model, input_ids, attention_mask, mask, temperature=temperature,
                                 with_entropy=with_entropy, top_k=top_k, top_p=top_p, autocast=autocast,
                                 device=dev, chunk_tokens=chunk_tokens, fused=fused, share=share_prompts)  # fmt: skip
     if chunk_tokens > 0:
         with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            hidden, head = response_hidden(model, input_ids, attention_mask, T)
+            hidden, head = response_hidden(model, input_ids, attention_mask, T, inputs)
         sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "with_entropy": with_entropy}
         mdt = _lean_matmul_dtype(autocast, hidden.dtype)
         out = lean_token_logprobs(hidden, head.weight, tokens, bias=head.bias, chunk_tokens=chunk_tokens,
                                   matmul_dtype=mdt, fused=fused, **sampling)  # fmt: skip
         return _zero_outside(out, mask)
     with torch.autocast(dev.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts)
+        logits = response_logits(model, input_ids, attention_mask, T, share_prompts=share_prompts, inputs=inputs)
     out = _logit_outputs(logits, tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          with_entropy=with_entropy)  # fmt: skip
     return _zero_outside(out, mask)
@@ -501,6 +531,7 @@ class TorchTrainEngine:
         with_entropy: bool = False,
         top_k: int = -1,
         top_p: float = 1.0,
+        inputs: dict[str, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """``[B, T]`` float32 log-probs of the response tokens, the last ``T`` columns.
 
@@ -510,7 +541,8 @@ class TorchTrainEngine:
         ``with_entropy``, also the ``[B, T]`` entropy of the tempered distribution (with
         gradient; 0 outside the mask). ``temperature`` must be the rollout's to compare with
         its log-probs, and ``top_k`` / ``top_p`` its truncation (replayed, see
-        :func:`response_logprobs`). Runs with gradients unless called under ``torch.no_grad()``.
+        :func:`response_logprobs`). ``inputs``: the rows' image inputs (a vision-language model,
+        :mod:`trainers.vision`). Runs with gradients unless called under ``torch.no_grad()``.
         """
         return response_logprobs(
             self.model,
@@ -527,6 +559,7 @@ class TorchTrainEngine:
             chunk_tokens=self.logprob_chunk_tokens,
             packed=self.packing,
             fused=self.fused_head,
+            inputs=inputs,
         )
 
     def backward(self, loss: Tensor) -> None:

@@ -31,6 +31,7 @@ from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams
 from trainers.engines.guard import child_pids, watch
 from trainers.engines.lora import ADAPTER_NAME, write_adapter
+from trainers.vision import image_inputs, vision_token_ids
 
 __all__ = ["VLLMRolloutEngine"]
 
@@ -172,6 +173,16 @@ def _eos_ids(tokenizer: Any, gen_cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(sorted(eos))
 
 
+def token_prompt(ids: Sequence[int]) -> dict[str, Any]:
+    """vLLM's token prompt for ``ids``; a prompt with images (:class:`trainers.vision.ImagePrompt`,
+    placeholders expanded by the model's processor) also gives vLLM its images
+    (``multi_modal_data``), which vLLM's own processor turns into the same inputs."""
+    out: dict[str, Any] = {"prompt_token_ids": [int(t) for t in ids]}
+    if image_inputs(ids) is not None:
+        out["multi_modal_data"] = {"image": list(ids.images)}
+    return out
+
+
 class VLLMRolloutEngine:
     """A :class:`~trainers.engines.base.RolloutEngine` over ``vllm.LLM``.
 
@@ -272,11 +283,13 @@ class VLLMRolloutEngine:
         self.policy_version = 0
         self._sleep_level = 0
         self._needs_weights = False
+        # a vision-language model's sample ends at a vision token (trainers.vision.text_only_response)
+        self._vision_stop = vision_token_ids(self.llm.llm_engine.model_config.hf_config)
 
     # ------------------------------------------------------------------ generation
 
     def _vllm_params(self, params: SamplingParams) -> Any:
-        stop = list(params.stop_token_ids)
+        stop = list(params.stop_token_ids) + [t for t in self._vision_stop if t not in params.stop_token_ids]
         return self._vllm.SamplingParams(
             n=1 if params.temperature == 0 else params.n,  # vLLM refuses n > 1 when greedy
             temperature=params.temperature,
@@ -304,7 +317,7 @@ class VLLMRolloutEngine:
         self._check_can_generate(prompts)
         if not prompts:
             return []
-        token_prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        token_prompts = [token_prompt(p) for p in prompts]
         outs = self.llm.generate(
             token_prompts, self._vllm_params(params), use_tqdm=False, lora_request=self._lora_request
         )
@@ -317,7 +330,8 @@ class VLLMRolloutEngine:
                 raise RuntimeError(
                     f"vLLM returned {len(samples)} samples for prompt {i}, expected {params.n}"
                 )
-            result.extend(self._to_generation(i, p["prompt_token_ids"], c, params) for c in samples)
+            ids = prompts[i] if image_inputs(prompts[i]) is not None else p["prompt_token_ids"]
+            result.extend(self._to_generation(i, ids, c, params) for c in samples)
         return result
 
     def _to_generation(self, i: int, prompt_ids: list[int], c: Any, params: SamplingParams) -> Generation:
@@ -356,9 +370,9 @@ class VLLMRolloutEngine:
         per_prompt = 1 if params.temperature == 0 else params.n
         token_prompts, vparams, owner = [], [], []
         for i, p in enumerate(prompts):
-            ids = [int(t) for t in p]
+            ids = p if image_inputs(p) is not None else [int(t) for t in p]
             for j in range(per_prompt):
-                token_prompts.append({"prompt_token_ids": ids})
+                token_prompts.append(token_prompt(p))
                 vparams.append(self._vllm_params(dataclasses.replace(params, n=1, seed=seed + j)))
                 owner.append((i, ids))
         request_ids = self.llm.enqueue(
