@@ -216,7 +216,11 @@ def shapes_task(
     out = []
     for i in range(train_size + eval_size):
         kind = kinds[i % len(kinds)]
-        colour, quadrant, count = rng.randrange(4), rng.randrange(4), rng.randrange(1, 5) if kind == "count" else 1
+        colour, quadrant, count = (
+            rng.randrange(4),
+            rng.randrange(4),
+            rng.randrange(1, 5) if kind == "count" else 1,
+        )
         img = shape_image(colour, quadrant, count=count, size=image_size, rng=rng)
         answer = {"colour": colour + 1, "position": quadrant + 1, "count": count}[kind]
         out.append(Prompt(SHAPE_QUESTIONS[kind], str(answer), f"shapes_{kind}", images=(img,)))
