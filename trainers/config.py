@@ -79,7 +79,7 @@ class ModelConfig:
     """The policy. ``path``: an HF causal-LM directory; ``""`` = the embedded default
     (SmolLM2-135M-Instruct, :func:`trainers.models.default_model_path`); ``"tiny"`` = a random
     tiny Qwen2 with the character tokenizer (tests); ``"tiny_vl"`` = a random tiny Qwen2-VL
-    (:func:`trainers.vision.tiny_qwen2_vl`). A vision-language checkpoint (its config has a
+    (:func:`trainers.vision.tiny_qwen2_vl`), ``"tiny_idefics3"`` a tiny Idefics3 / SmolVLM. A vision-language checkpoint (its config has a
     ``vision_config``: Qwen2-VL, Qwen2.5-VL...) loads with its processor; prompts may then carry
     images (:mod:`trainers.vision`)."""
 
@@ -1047,7 +1047,7 @@ def _check_common(cfg: Any) -> None:
 
 
 def _check_model_path(path: str, name: str = "model.path") -> None:
-    if path not in ("", "tiny", "tiny_vl") and not Path(path).exists() and not is_hub_id(path):
+    if path not in ("", "tiny", *TINY_VLM_NAMES) and not Path(path).exists() and not is_hub_id(path):
         raise ValueError(
             f"{name}: {path} does not exist (give a local HF checkpoint directory, a hub name "
             "such as Qwen/Qwen2.5-0.5B-Instruct, or '' / tiny)"
@@ -1275,6 +1275,9 @@ DOMAIN_KEYS = (
     "verifier_options",
 )
 
+#: ``model.path`` names of the tiny random vision-language models (trainers.engines.build.TINY_VLMS)
+TINY_VLM_NAMES = ("tiny_vl", "tiny_idefics3")
+
 #: procedural tasks a domain may name (``trainers.domains.TASKS``)
 TASK_NAMES = ("addition", "functions", "formats", "choice", "shapes")
 
@@ -1499,7 +1502,7 @@ def validate(cfg: Config) -> None:
 def _check_vision(c: Config) -> None:
     """What a vision-language policy (``model.path=tiny_vl`` or a checkpoint with a
     ``vision_config``) cannot do yet, by name."""
-    if not (c.model.path == "tiny_vl" or (c.model.path and is_vision_checkpoint(c.model.path))):
+    if not (c.model.path in TINY_VLM_NAMES or (c.model.path and is_vision_checkpoint(c.model.path))):
         return
     refused = [
         (c.rollout.engine == "server", "rollout.engine=server",

@@ -59,6 +59,7 @@ __all__ = [
     "position_ids",
     "processor_of",
     "shape_image",
+    "tiny_idefics3",
     "tiny_qwen2_vl",
     "text_only_response",
     "to_device",
@@ -88,27 +89,54 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+#: Idefics3 / SmolVLM's image tokens (tile grid tokens for up to 6 x 6 tiles).
+IDEFICS3_TOKENS: tuple[str, ...] = (
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+)
+
+#: Idefics3's chat format ("User:<image>question<end_of_utterance>\nAssistant:").
+IDEFICS3_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
 # Processor outputs that are not forward inputs of the image tower.
 _TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
 
 class ImagePrompt(list):
-    """Token ids of a prompt with images (a ``list[int]``), carrying ``images`` (the PIL images,
-    for engines that process them themselves, e.g. vLLM) and ``inputs`` (the processor's image
-    tensors for this prompt, e.g. ``pixel_values`` and ``image_grid_thw``).
+    """Token ids of a prompt with images (a ``list[int]``, image placeholders expanded), carrying
+    ``images`` (the PIL images, for engines that process them themselves, e.g. vLLM), ``inputs``
+    (the processor's image tensors for this prompt, e.g. ``pixel_values`` and
+    ``image_grid_thw``) and ``raw_ids``: the ids before expansion (one placeholder per image, what
+    vLLM's own processor expands; ``None``: unknown).
 
     >>> p = ImagePrompt([5, 6, 7], images=[], inputs={"image_grid_thw": torch.tensor([[1, 2, 2]])})
     >>> list(p), sorted(p.inputs)
     ([5, 6, 7], ['image_grid_thw'])
     """
 
-    def __init__(self, ids: Sequence[int], images: Sequence[Any], inputs: dict[str, Tensor]) -> None:
+    def __init__(
+        self,
+        ids: Sequence[int],
+        images: Sequence[Any],
+        inputs: dict[str, Tensor],
+        raw_ids: Sequence[int] | None = None,
+    ) -> None:
         super().__init__(int(t) for t in ids)
         self.images = list(images)
         self.inputs = dict(inputs)
+        self.raw_ids = None if raw_ids is None else [int(t) for t in raw_ids]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ImagePrompt, (list(self), self.images, self.inputs))
+        return (ImagePrompt, (list(self), self.images, self.inputs, self.raw_ids))
 
 
 def image_inputs(ids: Any) -> dict[str, Tensor] | None:
@@ -120,8 +148,9 @@ def collate(rows: Sequence[dict[str, Tensor] | None]) -> dict[str, Tensor] | Non
     """The image inputs of a batch from its rows' (``None``: a row without images): every key
     concatenated along dim 0 in row order (Qwen2-VL's ``pixel_values`` ``[patches, D]`` and
     ``image_grid_thw`` ``[images, 3]`` list the batch's images in order of appearance; a
-    processor with a leading batch dim of 1 per prompt gets its rows stacked). ``None`` when no
-    row has images.
+    processor with a leading batch dim of 1 per prompt, Idefics3's ``pixel_values``
+    ``[1, images, 3, H, W]``, gets its rows stacked, rows with fewer images padded with all-zero
+    images, which Idefics3 skips). ``None`` when no row has images.
 
     >>> a = {"image_grid_thw": torch.tensor([[1, 2, 2]]), "pixel_values": torch.zeros(4, 3)}
     >>> out = collate([a, None, a])
@@ -134,7 +163,14 @@ def collate(rows: Sequence[dict[str, Tensor] | None]) -> dict[str, Tensor] | Non
     keys = list(present[0])
     if any(list(r) != keys for r in present):
         raise ValueError(f"image inputs: rows have different keys ({sorted(keys)} vs others)")
-    return {k: torch.cat([r[k] for r in present], dim=0) for k in keys}
+    out = {}
+    for k in keys:
+        ts = [r[k] for r in present]
+        if ts[0].dim() >= 3 and len({t.shape[1:] for t in ts}) > 1:  # [1, images, ...]: pad the images
+            n = max(t.shape[1] for t in ts)
+            ts = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, n - t.shape[1])) for t in ts]
+        out[k] = torch.cat(ts, dim=0)
+    return out
 
 
 # --------------------------------------------------------------------------- images
@@ -218,9 +254,10 @@ def encode_images(processor: Any, text: Any, images: Sequence[Any]) -> ImageProm
     Returns the ids (placeholders expanded) with the images and their inputs."""
     messages = _messages(text, len(images))
     rendered = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    enc = processor(text=[rendered], images=list(images), return_tensors="pt")
+    enc = processor(text=[rendered], images=[list(images)], return_tensors="pt")
     inputs = {k: v for k, v in enc.items() if k not in _TEXT_KEYS and isinstance(v, Tensor)}
-    return ImagePrompt(enc["input_ids"][0].tolist(), images, inputs)
+    raw = processor.tokenizer(rendered, add_special_tokens=False).input_ids
+    return ImagePrompt(enc["input_ids"][0].tolist(), images, inputs, raw_ids=raw)
 
 
 # --------------------------------------------------------------------------- model side
@@ -323,12 +360,16 @@ def freeze_vision(model: Any) -> int:
 # --------------------------------------------------------------------------- tiny model
 
 
-def vision_tokenizer() -> Any:
-    """:func:`trainers.models.char_tokenizer` with Qwen2-VL's chat and vision tokens
-    (:data:`VISION_TOKENS`, ids 100-105) and an image chat template."""
+def vision_tokenizer(family: str = "qwen2_vl") -> Any:
+    """:func:`trainers.models.char_tokenizer` with a VLM family's special tokens and image chat
+    template: ``"qwen2_vl"``: Qwen2-VL's chat and vision tokens (:data:`VISION_TOKENS`, ids
+    100-105); ``"idefics3"``: Idefics3 / SmolVLM's (:data:`IDEFICS3_TOKENS`)."""
+    if family not in ("qwen2_vl", "idefics3"):
+        raise ValueError(f"family must be 'qwen2_vl' or 'idefics3', got {family!r}")
     tok = char_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    tok.chat_template = CHAT_TEMPLATE
+    tokens = VISION_TOKENS if family == "qwen2_vl" else IDEFICS3_TOKENS
+    tok.add_special_tokens({"additional_special_tokens": list(tokens)})
+    tok.chat_template = CHAT_TEMPLATE if family == "qwen2_vl" else IDEFICS3_TEMPLATE
     return tok
 
 
@@ -432,6 +473,59 @@ def is_vision_checkpoint(path: str | os.PathLike) -> bool:
         return "vision_config" in json.loads(f.read_text())
     except (OSError, ValueError):
         return False
+
+
+def tiny_idefics3(
+    tokenizer: Any,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    intermediate: int = 128,
+    vision_dim: int = 32,
+    vision_layers: int = 2,
+    image_size: int = 64,
+    max_positions: int = 1024,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Any, Any]:
+    """``(model, processor)``: a randomly initialised ``Idefics3ForConditionalGeneration`` (the
+    SmolVLM architecture: a SigLIP-style tower, pixel shuffle by 2, a Llama text model; 1-D
+    positions), deterministic from ``seed``, and its processor (images resized to
+    ``image_size`` on the longest edge, no tiling: 16 x 16 patches, 4 image tokens per image).
+    ``tokenizer``: :func:`vision_tokenizer` ``("idefics3")``; the processor is attached to it.
+    vLLM loads it with no patch (Qwen2-VL needs torchvision there)."""
+    transformers = require("transformers")
+    patch = 16
+    config = transformers.Idefics3Config(
+        text_config=dict(
+            model_type="llama", vocab_size=len(tokenizer), hidden_size=hidden_size,
+            intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=heads, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            hidden_size=vision_dim, intermediate_size=2 * vision_dim, num_hidden_layers=vision_layers,
+            num_attention_heads=2, image_size=image_size, patch_size=patch,
+        ),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=2,
+        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Idefics3ForConditionalGeneration(config)
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    size = {"longest_edge": image_size}
+    image_processor = transformers.Idefics3ImageProcessor(size=size, max_image_size=size, do_image_splitting=False)
+    seq = (image_size // patch) ** 2 // 4
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=seq, chat_template=tokenizer.chat_template
+    )
+    attach_processor(tokenizer, processor)
+    return model.to(dtype).eval(), processor
 
 
 def load_vision_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:

@@ -246,3 +246,28 @@ def test_refusals_name_the_field(override, field):
     cfg = load_config([*BASE, override])
     with pytest.raises(ValueError, match=f"^{field}: not with a vision-language model"):
         validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.lora_rank=4"],
+        ["train.engine=deepspeed"],
+        ["train.logprob_chunk_tokens=16", "algorithm.kl.coef=0.1"],
+    ],
+    ids=["lora", "deepspeed", "lean-head-with-reference"],
+)
+def test_rl_step_on_other_engines(tmp_path, overrides):
+    """LoRA on the language model, the DeepSpeed engine, the lean head and a KL reference: one
+    step each trains (a gradient, the rollout gets the new weights)."""
+    tr = _trainer(tmp_path, "algorithm.entropy_coef=0.01", *overrides)
+    try:
+        m = tr.step()
+        assert m["optim/grad_norm"] > 0 and tr.rollout.policy_version == 1
+        if "algorithm.kl.coef=0.1" in overrides:
+            assert any(k.startswith("kl") or "/kl" in k for k in m), sorted(m)
+        if "train.lora_rank=4" in overrides:
+            names = [n for n, p in tr.train.model.named_parameters() if p.requires_grad]
+            assert names and all("lora_" in n and "visual" not in n for n in names)
+    finally:
+        tr.close()

@@ -40,9 +40,13 @@ from trainers.vision import (
     freeze_vision,
     is_vision_checkpoint,
     load_vision_model,
+    tiny_idefics3,
     tiny_qwen2_vl,
     vision_tokenizer,
 )
+
+#: ``model.path`` names of the tiny random vision-language models: (tokenizer family, builder)
+TINY_VLMS = {"tiny_vl": ("qwen2_vl", tiny_qwen2_vl), "tiny_idefics3": ("idefics3", tiny_idefics3)}
 
 __all__ = [
     "DTYPES",
@@ -150,15 +154,17 @@ def tiny_heads(cfg: Any) -> int:
 
 def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of ``cfg.model``: the tiny Qwen2 + character tokenizer for
-    ``"tiny"`` (``max_positions`` long), the tiny Qwen2-VL for ``"tiny_vl"``, else a local Hugging
+    ``"tiny"`` (``max_positions`` long), the tiny Qwen2-VL for ``"tiny_vl"`` (Idefics3:
+    ``"tiny_idefics3"``), else a local Hugging
     Face checkpoint (``""``: the embedded default); a vision-language one with its processor
     attached to the tokenizer and, with ``model.freeze_vision``, its image tower frozen."""
     dtype = parse_dtype(cfg.model.dtype)
     m = cfg.model
-    if m.path == "tiny_vl" or (m.path not in ("", "tiny") and is_vision_checkpoint(m.path)):
-        if m.path == "tiny_vl":
-            tok = vision_tokenizer()
-            model, _ = tiny_qwen2_vl(tok, seed=m.tiny_seed, dtype=dtype, max_positions=max(max_positions, 1024))
+    if m.path in TINY_VLMS or (m.path not in ("", "tiny") and is_vision_checkpoint(m.path)):
+        if m.path in TINY_VLMS:
+            family, make = TINY_VLMS[m.path]
+            tok = vision_tokenizer(family)
+            model, _ = make(tok, seed=m.tiny_seed, dtype=dtype, max_positions=max(max_positions, 1024))
         else:
             model, tok = load_vision_model(m.path, dtype=dtype)
         if m.freeze_vision:

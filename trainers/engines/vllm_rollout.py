@@ -174,13 +174,16 @@ def _eos_ids(tokenizer: Any, gen_cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def token_prompt(ids: Sequence[int]) -> dict[str, Any]:
-    """vLLM's token prompt for ``ids``; a prompt with images (:class:`trainers.vision.ImagePrompt`,
-    placeholders expanded by the model's processor) also gives vLLM its images
-    (``multi_modal_data``), which vLLM's own processor turns into the same inputs."""
-    out: dict[str, Any] = {"prompt_token_ids": [int(t) for t in ids]}
-    if image_inputs(ids) is not None:
-        out["multi_modal_data"] = {"image": list(ids.images)}
-    return out
+    """vLLM's token prompt for ``ids``. A prompt with images (:class:`trainers.vision.ImagePrompt`)
+    gives vLLM its unexpanded ids (``raw_ids``: one placeholder per image) and the images
+    (``multi_modal_data``): vLLM's own processor expands them into the same ids and inputs as the
+    model's processor (the samples keep the expanded ids the trainer's forward needs)."""
+    if image_inputs(ids) is None:
+        return {"prompt_token_ids": [int(t) for t in ids]}
+    if ids.raw_ids is None:
+        raise ValueError("rollout.engine=vllm: a prompt with images has no unexpanded ids (raw_ids)")
+    # vLLM expands the placeholders itself (an expanded prompt would get them expanded again)
+    return {"prompt_token_ids": list(ids.raw_ids), "multi_modal_data": {"image": list(ids.images)}}
 
 
 class VLLMRolloutEngine:
@@ -532,6 +535,10 @@ class VLLMRolloutEngine:
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
             self._lora_request = None
         self.llm.reset_prefix_cache()
+        if self._vision_stop and hasattr(self.llm.llm_engine, "reset_encoder_cache"):
+            # reload_weights empties the runner's image-feature cache, not the scheduler's record
+            # of it: without this, the next request showing a cached image fails (a cache miss)
+            self.llm.llm_engine.reset_encoder_cache()
         self._needs_weights = False
         self.policy_version = int(version)
 
