@@ -15,11 +15,13 @@ memory; writes curves, metrics and the model with its processor under ``logging.
 
     python recipes/rlvr_vlm.py
     python recipes/rlvr_vlm.py seed=1 train.steps=30
-    python recipes/rlvr_vlm.py rollout.engine=vllm          # vLLM in process for the rollout
+    python recipes/rlvr_vlm.py --model tiny_idefics3 rollout.engine=vllm   # Idefics3 / SmolVLM on vLLM
     python recipes/rlvr_vlm.py --warmup-steps 0             # RL from the random model
     python recipes/rlvr_vlm.py --model /ckpt/Qwen2-VL-2B-Instruct --data my_images.jsonl
     python recipes/rlvr_vlm.py --help                       # every config field
 
+``--model tiny_idefics3``: the tiny Idefics3 (SmolVLM's architecture) instead of Qwen2-VL; vLLM
+runs it on CPU (its Qwen2-VL model needs torchvision, which the CPU machines lack).
 ``--model PATH``: a real vision-language checkpoint (``AutoModelForImageTextToText``): no
 warm-up; with no ``--data`` it trains on the shapes task. Measured figures: docs/vision.md.
 """
@@ -42,27 +44,28 @@ from recipes import rlvr_qwen
 from trainers.config import Config, load_config
 from trainers.domains import shapes_task, write_image_records
 from trainers.engines import TorchTrainEngine
+from trainers.engines.build import TINY_VLMS
 from trainers.learner import supervised_warmup
 from trainers.loops.common import memory_metrics
 from trainers.models import save_model
-from trainers.vision import tiny_qwen2_vl, vision_tokenizer
+from trainers.vision import vision_tokenizer
 
 
 def recipe_defaults() -> Config:
-    """GRPO on the shapes task: 8 prompts x 8 samples, 4 new tokens, temperature 1, 20 steps at
+    """GRPO on the shapes task: 16 prompts x 8 samples, 4 new tokens, temperature 1, 100 steps at
     lr 1e-3 (a tiny model), exact-match reward, float32, the HF rollout engine."""
     cfg = Config()
     cfg.model.path = "tiny_vl"
-    cfg.rollout.prompts_per_step = 8
+    cfg.rollout.prompts_per_step = 16
     cfg.rollout.n = 8
     cfg.rollout.max_tokens = 4
     cfg.rollout.temperature = 1.0
-    cfg.train.steps = 20
+    cfg.train.steps = 100
     cfg.train.lr = 1e-3
     cfg.train.micro_batch_size = 32
     cfg.reward.verifier = "exact_match"
     cfg.eval.before = True
-    cfg.eval.every = 5
+    cfg.eval.every = 25
     cfg.eval.max_tokens = 4
     cfg.data.eval_size = 128
     cfg.logging.dir = "runs/rlvr_vlm"
@@ -71,27 +74,33 @@ def recipe_defaults() -> Config:
 
 def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--warmup-steps", type=int, default=60)
+    ap.add_argument("--warmup-steps", type=int, default=200)
     ap.add_argument("--train-size", type=int, default=1024)
+    ap.add_argument("--kinds", default="colour", help="questions of the shapes task: colour,position,count")
     return ap.parse_known_args(argv)
 
 
-def prepare(cfg: Config, *, warmup_steps: int, train_size: int) -> list[str]:
+def prepare(cfg: Config, *, warmup_steps: int, train_size: int, kinds: str = "colour") -> list[str]:
     """Write the shapes data (unless ``data.train_file`` is set) and, for the tiny model, warm it
     up and save it; returns the overrides that point the run at them."""
     run = Path(cfg.logging.dir)
     extra = []
     if not cfg.data.train_file:
-        train, held = shapes_task(train_size=train_size, eval_size=cfg.data.eval_size, seed=cfg.seed)
+        kinds_ = tuple(k.strip() for k in kinds.split(",") if k.strip())
+        try:
+            train, held = shapes_task(kinds=kinds_, train_size=train_size, eval_size=cfg.data.eval_size, seed=cfg.seed)
+        except ValueError as e:
+            raise SystemExit(f"error: --kinds: {e}") from None
         data = run / "data"
         tf, ef = write_image_records(train, data / "train.jsonl"), write_image_records(held, data / "eval.jsonl")
         extra += [f"data.train_file={tf}", f"data.eval_file={ef}"]
     else:
         train = None
-    if cfg.model.path != "tiny_vl":
+    if cfg.model.path not in TINY_VLMS:
         return extra
-    tok = vision_tokenizer()
-    model, _ = tiny_qwen2_vl(tok, seed=cfg.seed)
+    family, make = TINY_VLMS[cfg.model.path]
+    tok = vision_tokenizer(family)
+    model, _ = make(tok, seed=cfg.seed)
     if warmup_steps:
         if train is None:
             raise SystemExit("error: --warmup-steps needs the shapes task (no --data), or pass --warmup-steps 0")
@@ -110,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}") from None
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1)
-    extra = prepare(cfg, warmup_steps=opts.warmup_steps, train_size=opts.train_size)
+    extra = prepare(cfg, warmup_steps=opts.warmup_steps, train_size=opts.train_size, kinds=opts.kinds)
     out = rlvr_qwen.main([*rest, *extra], base=recipe_defaults())
     print(f"peak memory (this process): {memory_metrics()['memory/peak_rss_mib']:.0f} MiB", flush=True)
     return out

@@ -154,6 +154,16 @@ def test_packing_quick(capsys):
     assert "packed" in capsys.readouterr().out
 
 
+def test_vlm_rollout_tiny(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("PIL.Image")
+    out = load("bench_vlm_rollout").main(
+        ["--prompts", "2", "--n", "2", "--tokens", "4", "--repeats", "1", "--hidden", "64", "--layers", "1", "--heads", "2"]
+    )
+    assert out["hf"] > 0 and all(v > 0 for v in out.values())
+    assert "HFRolloutEngine" in capsys.readouterr().out
+
+
 def test_tail_batching_tiny(capsys):
     """W1 on the tiny model with the HF engine: sync and tail batching, same trained samples."""
     pytest.importorskip("transformers")
