@@ -3,9 +3,10 @@
 No pretrained VLM can be downloaded here, so with no ``--model`` the recipe builds a small
 Qwen2-VL from its config (random weights, the character tokenizer with Qwen2-VL's vision
 tokens, Qwen2-VL's image processor; :func:`trainers.vision.tiny_qwen2_vl`), gives it a short
-supervised warm-up on the synthetic ``shapes`` task (:func:`trainers.domains.shapes_task`:
-56 x 56 images of coloured squares on grey; "what colour is the square?" / "where is it?",
-answered 1-4), then trains it with GRPO through the ordinary trainer, the images going
+supervised warm-up (40 steps of 32) on the synthetic ``shapes`` task
+(:func:`trainers.domains.shapes_task`: 56 x 56 images of coloured squares on grey, "what colour
+is the square?", answered 1-4; ``--kinds colour,position,count`` adds the square's quadrant and
+the number of squares), then trains it with GRPO through the ordinary trainer, the images going
 through the processor, the rollout engine and the training forward (M-RoPE positions, the
 vision tower frozen: ``model.freeze_vision``). The data is written as JSONL with PNG files
 (the layout of ``data.train_file``; docs/vision.md) and read back like any dataset.
@@ -17,6 +18,7 @@ memory; writes curves, metrics and the model with its processor under ``logging.
     python recipes/rlvr_vlm.py seed=1 train.steps=30
     python recipes/rlvr_vlm.py --model tiny_idefics3 rollout.engine=vllm   # Idefics3 / SmolVLM on vLLM
     python recipes/rlvr_vlm.py --warmup-steps 0             # RL from the random model
+    python recipes/rlvr_vlm.py --kinds colour,position      # + where the square is
     python recipes/rlvr_vlm.py --model /ckpt/Qwen2-VL-2B-Instruct --data my_images.jsonl
     python recipes/rlvr_vlm.py --help                       # every config field
 
@@ -53,7 +55,7 @@ from trainers.vision import vision_tokenizer
 
 def recipe_defaults() -> Config:
     """GRPO on the shapes task: 16 prompts x 8 samples, 4 new tokens, temperature 1, 100 steps at
-    lr 1e-3 (a tiny model), exact-match reward, float32, the HF rollout engine."""
+    lr 5e-4 (a tiny model), exact-match reward, float32, the HF rollout engine."""
     cfg = Config()
     cfg.model.path = "tiny_vl"
     cfg.rollout.prompts_per_step = 16
@@ -61,7 +63,7 @@ def recipe_defaults() -> Config:
     cfg.rollout.max_tokens = 4
     cfg.rollout.temperature = 1.0
     cfg.train.steps = 100
-    cfg.train.lr = 1e-3
+    cfg.train.lr = 5e-4
     cfg.train.micro_batch_size = 32
     cfg.reward.verifier = "exact_match"
     cfg.eval.before = True
@@ -74,7 +76,7 @@ def recipe_defaults() -> Config:
 
 def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--warmup-steps", type=int, default=200)
+    ap.add_argument("--warmup-steps", type=int, default=40)
     ap.add_argument("--train-size", type=int, default=1024)
     ap.add_argument("--kinds", default="colour", help="questions of the shapes task: colour,position,count")
     return ap.parse_known_args(argv)
