@@ -56,6 +56,7 @@ __all__ = [
     "is_vision_model",
     "load_image",
     "load_vision_model",
+    "load_vision_tokenizer",
     "position_ids",
     "processor_of",
     "shape_image",
@@ -528,12 +529,11 @@ def tiny_idefics3(
     return model.to(dtype).eval(), processor
 
 
-def load_vision_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a VLM checkpoint directory (``AutoModelForImageTextToText``),
-    with its processor attached to the tokenizer (:func:`processor_of`). Qwen2-VL checkpoints
-    load their processor without torchvision too (images only)."""
+def load_vision_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer of a VLM checkpoint directory with its processor attached
+    (:func:`processor_of`). Qwen2-VL checkpoints load their processor without torchvision too
+    (images only)."""
     transformers = require("transformers")
-    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
     processor = None
     try:
         processor = transformers.AutoProcessor.from_pretrained(path)
@@ -548,7 +548,15 @@ def load_vision_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.flo
         processor = vision_processor(tok, image_processor)
     tokenizer = processor.tokenizer
     attach_processor(tokenizer, processor)
-    return model.eval(), tokenizer
+    return tokenizer
+
+
+def load_vision_model(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a VLM checkpoint directory (``AutoModelForImageTextToText``),
+    with its processor attached to the tokenizer (:func:`load_vision_tokenizer`)."""
+    transformers = require("transformers")
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    return model.eval(), load_vision_tokenizer(path)
 
 
 # --------------------------------------------------------------------------- a visual task

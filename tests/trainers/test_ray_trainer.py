@@ -494,3 +494,27 @@ def test_the_ray_critic_equals_the_in_process_one_and_trains_in_the_loop(cluster
     assert row["critic/grad_norm"] > 0 and "critic/explained_variance" in row
     assert (tmp_path / "run" / "critic" / "config.json").is_file()
     assert _no_leaks()
+
+
+def test_a_vision_language_policy_on_ray(cluster, tmp_path):
+    """A tiny Qwen2-VL with the Ray roles (colocated rollout, train and reference actors): the
+    prompts' images reach the actors' engines and every forward, a step with the KL reference
+    trains, and the rollout actor gets the new weights."""
+    pytest.importorskip("PIL.Image")
+    cfg = load_config(
+        [
+            *BASE[2:],
+            "--model", "tiny_vl", "data.task=shapes", "data.eval_size=4", "reward.verifier=exact_match",
+            f"logging.dir={tmp_path}", "algorithm.kl.coef=0.05", "algorithm.entropy_coef=0.01",
+            "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=3", "train.lr=1e-3",
+            "train.micro_batch_size=2",
+        ]
+    )  # fmt: skip
+    with SyncTrainer(cfg) as tr:
+        m = tr.step()
+        assert m["optim/grad_norm"] > 0
+        assert any("kl" in k for k in m), sorted(m)
+        state = _rollout_state(tr)
+        for name, w in tr.train.weights():
+            assert torch.equal(state[name].float(), w.float()), name
+    assert _no_leaks()

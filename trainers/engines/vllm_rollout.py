@@ -125,7 +125,8 @@ def _engine_kwargs(
     max_model_len: int | None,
 ) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments for the device: on CPU the KV cache size goes through
-    ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; default 1), on GPUs through the memory settings."""
+    ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; default 1) and chunked prefill is off (see below), on
+    GPUs through the memory settings."""
     kwargs: dict[str, Any] = {}
     if device_type == "cpu":
         _check_cpu_head_size(config, model_path)
@@ -137,6 +138,11 @@ def _engine_kwargs(
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # A prefill split over scheduler steps makes vLLM rewind the request's seeded generator,
+        # which the CPU generator cannot do ("CPU Generator does not use offset"): a batch whose
+        # prompts exceed one step's token budget (many samples of long prompts, e.g. with images)
+        # crashed. Whole prompts per step instead, as vLLM's CPU platform does for MLA models.
+        kwargs["enable_chunked_prefill"] = False
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if kv_cache_gib is not None:

@@ -63,6 +63,7 @@ from trainers.critic import build_critic
 from trainers.deps import require
 from trainers.engines.base import Generation, PackedBatch, SamplingParams, batch_logprobs
 from trainers.engines.build import (
+    TINY_VLMS,
     build_model,
     make_rollout_engine,
     make_train_engine,
@@ -74,6 +75,7 @@ from trainers.engines.torch_train import TorchTrainEngine, response_hidden
 from trainers.learner import UpdateSpec, UpdateStats, ppo_update
 from trainers.models import char_tokenizer, default_model_path
 from trainers.ray.placement import Placement, plan_bundles, plan_teacher
+from trainers.vision import is_vision_checkpoint, load_vision_tokenizer
 
 __all__ = [
     "CriticWorker",
@@ -917,6 +919,10 @@ def _gpus(cfg: Config) -> float:
 def _tokenizer(cfg: Config) -> Any:
     if cfg.model.path == "tiny":
         return char_tokenizer()
+    if cfg.model.path in TINY_VLMS:  # its processor comes with the (tiny) model
+        return build_model(cfg)[1]
+    if is_vision_checkpoint(cfg.model.path):
+        return load_vision_tokenizer(cfg.model.path)
     return require("transformers").AutoTokenizer.from_pretrained(str(cfg.model.path or default_model_path()))
 
 
