@@ -23,6 +23,8 @@ field. Short aliases: ``--model PATH`` is ``model.path``, ``--data FILE`` is
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import json
 import math
 import os
 import types
@@ -1499,6 +1501,17 @@ def validate(cfg: Config) -> None:
         validate_async(c)
 
 
+def _qwen_vl(path: str) -> bool:
+    """Whether ``model.path`` is a Qwen2-VL-family model (``tiny_vl`` or its config's model_type)."""
+    if path == "tiny_vl":
+        return True
+    f = Path(path) / "config.json"
+    try:
+        return f.is_file() and str(json.loads(f.read_text()).get("model_type", "")).startswith("qwen2")
+    except (OSError, ValueError):
+        return False
+
+
 def _check_vision(c: Config) -> None:
     """What a vision-language policy (``model.path=tiny_vl`` or a checkpoint with a
     ``vision_config``) cannot do yet, by name."""
@@ -1512,6 +1525,9 @@ def _check_vision(c: Config) -> None:
          "the critic's value forward does not take image inputs yet"),
         (c.train.engine == "fsdp2" and c.train.logprob_chunk_tokens > 0, "train.logprob_chunk_tokens",
          "the FSDP2 engine's lean head runs the text decoder only"),
+        (c.rollout.engine == "vllm" and _qwen_vl(c.model.path) and importlib.util.find_spec("torchvision") is None,
+         "rollout.engine=vllm", "vLLM's Qwen2-VL model needs torchvision, which is not installed; use "
+         "rollout.engine=hf, or an Idefics3 / SmolVLM model (model.path=tiny_idefics3)"),
     ]  # fmt: skip
     for bad, field_, why in refused:
         if bad:

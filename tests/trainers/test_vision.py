@@ -4,6 +4,7 @@ trainer on a tiny random Qwen2-VL, resume and export, and the refusals."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 
 import pytest
@@ -240,6 +241,10 @@ def test_resume_and_saved_model(tmp_path):
         ("rollout.engine=server", "rollout.engine=server"),
         ("train.packing=true", "train.packing"),
         ("algorithm.advantage=gae", "algorithm.advantage=gae"),
+        pytest.param(
+            "rollout.engine=vllm", "rollout.engine=vllm",
+            marks=pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision present"),
+        ),
     ],
 )
 def test_refusals_name_the_field(override, field):
