@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import types
@@ -35,7 +34,7 @@ from typing import Any, Union
 
 from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from trainers.models import is_hub_id
-from trainers.vision import is_vision_checkpoint
+from trainers.vision import checkpoint_config, is_vision_checkpoint
 
 __all__ = [
     "ALIASES",
@@ -1503,13 +1502,7 @@ def validate(cfg: Config) -> None:
 
 def _qwen_vl(path: str) -> bool:
     """Whether ``model.path`` is a Qwen2-VL-family model (``tiny_vl`` or its config's model_type)."""
-    if path == "tiny_vl":
-        return True
-    f = Path(path) / "config.json"
-    try:
-        return f.is_file() and str(json.loads(f.read_text()).get("model_type", "")).startswith("qwen2")
-    except (OSError, ValueError):
-        return False
+    return path == "tiny_vl" or str(checkpoint_config(path).get("model_type", "")).startswith("qwen2")
 
 
 def _check_vision(c: Config) -> None:

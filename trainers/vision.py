@@ -48,6 +48,7 @@ __all__ = [
     "VISION_TOKENS",
     "ImagePrompt",
     "attach_processor",
+    "checkpoint_config",
     "collate",
     "encode_images",
     "freeze_vision",
@@ -464,16 +465,21 @@ def tiny_qwen2_vl(
     return model.to(dtype).eval(), processor
 
 
+def checkpoint_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of the local checkpoint directory ``path`` (``{}`` when there is none or
+    it is unreadable)."""
+    f = Path(path) / "config.json"
+    try:
+        out = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
 def is_vision_checkpoint(path: str | os.PathLike) -> bool:
     """Whether the local checkpoint directory ``path`` holds a vision-language model (its
     ``config.json`` has a ``vision_config``)."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        return False
-    try:
-        return "vision_config" in json.loads(f.read_text())
-    except (OSError, ValueError):
-        return False
+    return "vision_config" in checkpoint_config(path)
 
 
 def tiny_idefics3(
