@@ -109,6 +109,10 @@ IDEFICS3_TEMPLATE = (
     "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
+#: Module names of image towers and projectors (Qwen2-VL ``visual``; Idefics3 ``vision_model``,
+#: ``connector``; LLaVA-style ``vision_tower``, ``multi_modal_projector``).
+VISION_MODULES: tuple[str, ...] = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector")
+
 # Processor outputs that are not forward inputs of the image tower.
 _TEXT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
@@ -346,8 +350,7 @@ def to_device(
 def vision_parameters(model: Any) -> list[tuple[str, Any]]:
     """``(name, parameter)`` of the image tower and its projector (names with ``visual``,
     ``vision_tower``, ``vision_model``, ``multi_modal_projector`` or ``connector``)."""
-    keys = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "connector.")
-    return [(n, p) for n, p in model.named_parameters() if any(k in n for k in keys)]
+    return [(n, p) for n, p in model.named_parameters() if any(f"{k}." in n for k in VISION_MODULES)]
 
 
 def freeze_vision(model: Any) -> int:

@@ -276,3 +276,16 @@ def test_rl_step_on_other_engines(tmp_path, overrides):
             assert names and all("lora_" in n and "visual" not in n for n in names)
     finally:
         tr.close()
+
+
+def test_lora_wraps_the_language_model_only():
+    """Idefics3's vision tower has q_proj / k_proj / v_proj like the text model: LoRA's default
+    targets must still leave it alone."""
+    from trainers.engines.lora import apply_lora
+    from trainers.vision import tiny_idefics3
+
+    model, _ = tiny_idefics3(vision_tokenizer("idefics3"), seed=0)
+    names = [n for n, p in apply_lora(model, rank=4).named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert not [n for n in names if "vision_model" in n or "connector" in n]
+    assert any("text_model" in n for n in names)

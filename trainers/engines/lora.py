@@ -32,6 +32,7 @@ from torch import Tensor
 
 from trainers.deps import require
 from trainers.models import save_model
+from trainers.vision import VISION_MODULES, is_vision_model
 
 __all__ = [
     "BASE_SUBDIR",
@@ -129,6 +130,9 @@ def apply_lora(
         bias="none",
         task_type="CAUSAL_LM" if value_head is None else "TOKEN_CLS",
         modules_to_save=None if value_head is None else [value_head],
+        # a vision-language model: the language model's projections only (Idefics3's tower has
+        # q_proj / k_proj / v_proj too)
+        exclude_modules=rf".*\b({'|'.join(VISION_MODULES)})\..*" if is_vision_model(model) else None,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
