@@ -335,16 +335,9 @@ def text_only_response(model: Any, input_ids: Tensor, T: int) -> Tensor:
     return torch.cat([input_ids[:, :-T], tail.masked_fill(bad, 0)], dim=1)
 
 
-def to_device(
-    inputs: dict[str, Tensor] | None, device: Any, dtype: torch.dtype | None = None
-) -> dict[str, Tensor]:
-    """``inputs`` on ``device``; floating tensors (pixels) cast to ``dtype`` when given."""
-    if not inputs:
-        return {}
-    return {
-        k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
-        for k, v in inputs.items()
-    }
+def to_device(inputs: dict[str, Tensor] | None, device: Any) -> dict[str, Tensor]:
+    """``inputs`` on ``device`` (``{}`` for none); the models cast the pixels to their own dtype."""
+    return {k: v.to(device) for k, v in (inputs or {}).items()}
 
 
 def vision_parameters(model: Any) -> list[tuple[str, Any]]:
@@ -404,7 +397,7 @@ def vision_processor(tokenizer: Any, image_processor: Any) -> Any:
     transformers = require("transformers")
     template = tokenizer.chat_template or CHAT_TEMPLATE
     try:
-        video = transformers.AutoVideoProcessor.for_model("qwen2_vl")  # needs torchvision
+        video = transformers.Qwen2VLVideoProcessor()  # needs torchvision
         return transformers.Qwen2VLProcessor(image_processor, tokenizer, video, chat_template=template)
     except Exception:  # ImportError / ValueError / AttributeError without torchvision
         return _images_only_processor_class()(image_processor, tokenizer, chat_template=template)
