@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 dist = torch.distributed
 mp = pytest.importorskip("torch.multiprocessing")
 
+from trainers.config import load_config  # noqa: E402
 from trainers.engines.megatron_weights import hf_names, layout_of, pairs, to_hf, to_megatron  # noqa: E402
 from trainers.engines.torch_train import TorchTrainEngine  # noqa: E402
 from trainers.models import char_tokenizer, tiny_qwen2  # noqa: E402
@@ -245,3 +246,50 @@ def test_tp2_pp2_dp2_over_gloo_equal_one_rank(megatron_world, tmp_path):
     ids, am, rm = _batch()
     with torch.no_grad():
         torch.testing.assert_close(one.logprobs(ids, am, rm), tp2["after"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train.engine=megatron", "train.megatron_tp=0"], r"train\.megatron_tp must be an int >= 1, got 0"),
+        (["train.engine=megatron", "train.megatron_pp=1.5"], r"train\.megatron_pp: expected int"),
+        (["train.megatron_tp=2"], r"train\.megatron_tp / megatron_pp: apply to train\.engine=megatron"),
+        (
+            ["train.engine=megatron", "train.megatron_tp=2"],
+            r"needs ray\.enabled=true and placement\.train_workers",
+        ),
+        (
+            ["train.engine=megatron", "train.megatron_pp=2", "ray.enabled=true", "placement.train_workers=3"],
+            r"a multiple of 2 \(got 3",
+        ),
+        (
+            ["train.engine=megatron", "train.lora_rank=4"],
+            r"train\.lora_rank: not supported by train\.engine=megatron",
+        ),
+        (
+            ["train.engine=megatron", "train.packing=true"],
+            r"train\.packing: not supported by train\.engine=megatron",
+        ),
+        (["train.engine=megatron", "--model", "tiny_vl"], r"model\.path=tiny_vl: train\.engine=megatron"),
+        (
+            ["train.engine=megatron", "algorithm.advantage=gae"],
+            r"critic\.engine: the Megatron engine trains the policy",
+        ),
+    ],
+)
+def test_megatron_config_is_validated_by_field(args, message):
+    from trainers.config import validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(load_config(args))
+
+
+def test_megatron_config_accepts_a_critic_on_another_engine():
+    from trainers.config import validate
+
+    validate(load_config(["train.engine=megatron", "algorithm.advantage=gae", "critic.engine=torch"]))
+    validate(
+        load_config(
+            ["train.engine=megatron", "train.megatron_tp=2", "ray.enabled=true", "placement.train_workers=4"]
+        )
+    )
