@@ -232,6 +232,7 @@ def test_classes_and_functions_stay_small():
         ("rollkit.losses", 0),
         ("trainers.config", 1),
         ("trainers.engines.build", 2),
+        ("trainers.engines.offload", 2),
         ("trainers.envs.base", 3),
         ("trainers.roles", 4),
         ("trainers.loops.sync", 5),

@@ -471,6 +471,9 @@ class PlacementConfig:
     )
     offload: bool = True  # colocated: rollout.sleep() while training, wake() + update after
     sleep_level: int = 1  # 1: offload weights; 2: discard them (the update reloads them)
+    # colocated (in process: always): the train engine's weights, gradients and optimizer state
+    # move to the host while the rollout generates and back for the update (trainers.engines.offload)
+    offload_train: bool = False
     rollout_resources: dict = field(default_factory=dict)  # custom node resources per rollout bundle
     train_resources: dict = field(default_factory=dict)  # custom node resources per train bundle
 
@@ -1585,6 +1588,11 @@ def _check_tail_batching(c: Config) -> None:
 def validate_async(cfg: Config) -> None:
     """The checks of the ``asynchronous`` section (:class:`trainers.loops.AsyncTrainer`)."""
     ac = cfg.asynchronous
+    if cfg.placement.offload_train:
+        raise ValueError(
+            "placement.offload_train: the asynchronous trainer trains while the rollout generates, so the "
+            "training state cannot leave the device between phases; set placement.offload_train=false"
+        )
     if cfg.ray.enabled and cfg.placement.mode != "disaggregated":
         raise ValueError(
             f"placement.mode={cfg.placement.mode!r}: the asynchronous trainer generates while it "

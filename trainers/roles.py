@@ -49,7 +49,8 @@ class Roles:
 
     ``train`` is the train role as given or built (a TrainEngine in process, the Ray train group
     on Ray); ``learner`` is the same role behind the :class:`~trainers.learner.Learner` interface.
-    ``offload``: the rollout sleeps while the learner trains (Ray, colocated, ``placement.offload``).
+    ``offload``: the rollout sleeps while the learner trains (Ray, colocated, ``placement.offload``),
+    or the train state leaves the device while the rollout generates (``train_offload``).
     """
 
     cfg: Config
@@ -67,20 +68,53 @@ class Roles:
     _domain_busy: dict[str, float] = field(default_factory=dict)
 
     @property
-    def offload(self) -> bool:
+    def rollout_sleeps(self) -> bool:
+        """The rollout sleeps while the learner trains (Ray, colocated, ``placement.offload``)."""
         p = self.cfg.placement
         return self.cfg.ray.enabled and p.mode == "colocated" and p.offload
 
+    @property
+    def train_offload(self) -> bool:
+        """The train state moves to the host between updates (``placement.offload_train``; on
+        Ray with ``placement.mode=colocated``, in process always: one device)."""
+        p = self.cfg.placement
+        return p.offload_train and (not self.cfg.ray.enabled or p.mode == "colocated")
+
+    @property
+    def offload(self) -> bool:
+        """Whether a step switches the device between the rollout and the learner at all."""
+        return self.rollout_sleeps or self.train_offload
+
+    def _train_engine(self) -> Any:
+        """What holds the train state: the in-process engine, or the Ray train group."""
+        engine = getattr(self.learner, "engine", self.learner)
+        if not (callable(getattr(engine, "offload", None)) and callable(getattr(engine, "onload", None))):
+            raise ValueError(
+                f"placement.offload_train: the train role {type(engine).__name__} has no offload() / onload(); "
+                "set placement.offload_train=false"
+            )
+        return engine
+
+    def offload_train(self) -> None:
+        """Move the train state to the host (``train_offload``; idempotent)."""
+        if self.train_offload:
+            self._train_engine().offload()
+
     def sleep_rollout(self) -> None:
-        """Before training: a colocated rollout frees its memory (``placement.sleep_level``)."""
-        if self.offload:
+        """Before training: a colocated rollout frees its memory (``placement.sleep_level``), then
+        the train state comes back to the device (``placement.offload_train``)."""
+        if self.rollout_sleeps:
             self.rollout.sleep(self.cfg.placement.sleep_level)
+        if self.train_offload:
+            self._train_engine().onload()
 
     def push_weights(self, version: int) -> None:
-        """After training: wake a colocated rollout and load the learner's weights into it."""
-        if self.offload:
+        """After training: wake a colocated rollout, load the learner's weights into it, and move
+        the train state to the host for the next generation (``placement.offload_train``)."""
+        if self.rollout_sleeps:
             self.rollout.wake()
         self.rollout.update_weights(self.learner.export_weights(), version=version)
+        self.offload_train()
 
     def reward_metrics(self) -> dict[str, float]:
         """The reward pool's share since the previous call: ``time/reward_busy`` (seconds inside
@@ -238,7 +272,7 @@ def build_roles(
         for o in owned:
             o.close()
         raise
-    return Roles(
+    roles = Roles(
         cfg=cfg,
         rollout=rollout,
         train=train,
@@ -251,3 +285,9 @@ def build_roles(
         critic=critic,
         owned=owned,
     )
+    try:
+        roles.offload_train()  # the first generation runs with the train state on the host
+    except BaseException:
+        roles.close()
+        raise
+    return roles

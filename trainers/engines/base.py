@@ -154,7 +154,17 @@ def iter_generations(
 
 @runtime_checkable
 class TrainEngine(Protocol):
-    """Forward log-probs with gradients, backward a loss, step, export weights, checkpoint."""
+    """Forward log-probs with gradients, backward a loss, step, export weights, checkpoint.
+
+    Optional methods (``placement.offload_train``; not part of the runtime check):
+
+    - ``offload() -> None``: move the weights, gradients, optimizer state and buffers to the
+      host and release their device memory; idempotent. Methods that need them onload first.
+    - ``onload() -> None``: bring them back to the device, bit-identical; idempotent.
+
+    The torch, DeepSpeed and FSDP2 engines implement both (:mod:`trainers.engines.offload`);
+    with an engine that lacks them, ``placement.offload_train=true`` is refused by name.
+    """
 
     def logprobs(
         self,

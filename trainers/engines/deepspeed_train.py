@@ -31,6 +31,7 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
+from trainers.engines.offload import Offloadable, reachable_tensors, resident, state_tensors
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -236,7 +237,7 @@ def _deepspeed_for(device: torch.device) -> Any:
     return deepspeed
 
 
-class DeepSpeedTrainEngine:
+class DeepSpeedTrainEngine(Offloadable):
     """A :class:`~trainers.engines.base.TrainEngine` on DeepSpeed ZeRO, stages 0 to 3.
 
     Args:
@@ -271,6 +272,12 @@ class DeepSpeedTrainEngine:
     clipping (across ranks and partitions), the learning rate used, and 1 when the norm was
     not finite and the update skipped (no parameter or optimizer-state change, gradients
     discarded, scheduler not stepped; DeepSpeed then reports the norm as ``inf`` under ZeRO).
+
+    :meth:`offload` / :meth:`onload` (``placement.offload_train``, every stage): rollkit's own
+    storage mover (:mod:`trainers.engines.offload`) over the module's parameters, gradients and
+    buffers, the torch optimizer's state and every tensor DeepSpeed's optimizer holds (flat
+    bit16 / fp32 partitions, gradient buffers). DeepSpeed's ``offload_states()`` covers ZeRO 1-3
+    only and moves to ``"cpu"``, which on the CPU accelerator is where the states already are.
     """
 
     #: a LoRA policy's :meth:`export_weights`: ``"merged"`` (full weights, any rollout engine)
@@ -360,8 +367,14 @@ class DeepSpeedTrainEngine:
                 raise RuntimeError("DeepSpeed wrapped the optimizer of a ZeRO-0 fp32 engine unexpectedly")
             optimizer.register_step_pre_hook(self._pre_step_hook)
 
+    def _offload_tensors(self) -> list[Tensor]:
+        wrapper = self.engine.optimizer
+        extra = reachable_tensors(wrapper) if wrapper is not self.optimizer else []
+        return state_tensors(self.model, [self.optimizer], extra)
+
     # ------------------------------------------------------------------ forward / backward
 
+    @resident
     def logprobs(
         self,
         input_ids: Tensor,  # [B, L]
@@ -394,6 +407,7 @@ class DeepSpeedTrainEngine:
             inputs=inputs,
         )
 
+    @resident
     def backward(self, loss: Tensor) -> None:
         """Accumulate ``d loss / d params`` for one micro-batch, unscaled (the caller's loss
         is already its share of the batch: no division by an accumulation step count)."""
@@ -402,6 +416,7 @@ class DeepSpeedTrainEngine:
             raise ValueError(f"loss must be a scalar tensor, got {shape} (use rollkit.losses.aggregate)")
         self.engine.backward(loss, scale_wrt_gas=False)
 
+    @resident
     def zero_grad(self) -> None:
         """Discard the accumulated gradient (including ZeRO-1/2/3's reduced partitions).
 
@@ -435,6 +450,7 @@ class DeepSpeedTrainEngine:
             for p in params:
                 p.grad = None
 
+    @resident
     def step(self) -> dict[str, float]:
         """Finish the gradient reduction, clip, optimizer step, scheduler step, zero the
         gradient (every rank must call it).
@@ -476,6 +492,7 @@ class DeepSpeedTrainEngine:
         if group:
             yield group
 
+    @resident
     def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
         """The policy as a Hugging Face model directory, written by rank 0 from the gathered
         weights (:meth:`export_weights`; ZeRO-3: every rank must call this)."""
@@ -488,6 +505,7 @@ class DeepSpeedTrainEngine:
             save_model(self.engine.module, tokenizer, path, state_dict=weights)
         return Path(path)
 
+    @resident
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(name, full tensor)`` for every parameter, named as in the model's ``state_dict``
         (a tied ``lm_head.weight`` appears once, as the embedding), for ``update_weights``.
@@ -542,6 +560,7 @@ class DeepSpeedTrainEngine:
             self._alias_cache = aliases
         return self._alias_cache
 
+    @resident
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optimizer", "scheduler", "global_step", "zero_stage", "world_size",
         "rank"}``, for resuming.
@@ -566,6 +585,7 @@ class DeepSpeedTrainEngine:
             "rank": self.rank,
         }
 
+    @resident
     def load_state_dict(self, state: dict[str, Any], *, load_optimizer: bool = True) -> None:
         """Restore :meth:`state_dict` (every rank calls it, with its own rank's state).
 

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainers.engines.compiled import adamw, prepare_model
+from trainers.engines.offload import Offloadable, resident, state_tensors
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -165,7 +166,7 @@ class _HiddenForward:
         return head
 
 
-class FSDP2TrainEngine:
+class FSDP2TrainEngine(Offloadable):
     """A :class:`~trainers.engines.base.TrainEngine` on PyTorch FSDP2 (``fully_shard``).
 
     Args:
@@ -207,6 +208,10 @@ class FSDP2TrainEngine:
     gradients and :meth:`backward` (every rank the same number of micro-batches), :meth:`step`,
     :meth:`export_weights` (consume the whole iterator), :meth:`save_model`,
     :meth:`state_dict`, :meth:`load_state_dict`.
+
+    :meth:`offload` / :meth:`onload` (``placement.offload_train``): the local shards of the
+    parameters, gradients and optimizer state, and the buffers, to the host and back
+    (:mod:`trainers.engines.offload`; gathered weights are freed first).
     """
 
     #: the root module's forward unshards the parameters: callers (a critic's values) must run
@@ -289,8 +294,13 @@ class FSDP2TrainEngine:
         for m in self._fsdp_modules():
             m.reshard()
 
+    def _offload_tensors(self) -> list[Tensor]:
+        self._reshard()  # only the shards stay: no gathered weights to move
+        return state_tensors(self.model, [self.optimizer])
+
     # ------------------------------------------------------------------ forward / backward
 
+    @resident
     def logprobs(
         self,
         input_ids: Tensor,  # [B, L]
@@ -330,6 +340,7 @@ class FSDP2TrainEngine:
             self._reshard()
         return out
 
+    @resident
     def backward(self, loss: Tensor) -> None:
         """Accumulate ``d loss / d params`` for one micro-batch (reduce-scattered into this
         rank's shards, averaged over ranks, summed over micro-batches)."""
@@ -342,6 +353,7 @@ class FSDP2TrainEngine:
         """Discard the accumulated (sharded) gradients."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    @resident
     def step(self) -> dict[str, float]:
         """Clip by the global gradient norm, optimizer step, scheduler step, zero_grad.
 
@@ -365,6 +377,7 @@ class FSDP2TrainEngine:
 
     # ------------------------------------------------------------------ weights / checkpoints
 
+    @resident
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(name, full tensor)`` for every parameter, named as in the model's ``state_dict``
         (a tied ``lm_head.weight`` appears once, as the embedding), for ``update_weights``.
@@ -373,11 +386,13 @@ class FSDP2TrainEngine:
         at a time, a fresh copy: a collective, so **every rank must iterate the whole
         generator**, in order (rank 0 pushing to the rollout engine, the others draining it)."""
         self._reshard()
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                t = _to_full(p.detach())
-                yield name, (t if dtype is None else t.to(dtype))
+        for name, p in self.model.named_parameters():
+            with torch.no_grad():  # never across a yield: a generator left unfinished would restore
+                t = _to_full(p.detach())  # the caller's grad mode when it is collected, at any time
+                t = t if dtype is None else t.to(dtype)
+            yield name, t
 
+    @resident
     def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
         """The policy as a Hugging Face model directory, written by rank 0 from the gathered
         weights (:meth:`export_weights`: every rank must call this)."""
@@ -392,6 +407,7 @@ class FSDP2TrainEngine:
     def _options(self) -> Any:
         return StateDictOptions(full_state_dict=True)
 
+    @resident
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optimizer", "scheduler", "global_step"}`` for resuming: the full
         (unsharded) model and optimizer state, the same on every rank, as CPU copies
@@ -410,6 +426,7 @@ class FSDP2TrainEngine:
             "global_step": self.global_step,
         }
 
+    @resident
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` on every rank (strict about model keys); a collective."""
         if not isinstance(state, dict) or "model" not in state or "optimizer" not in state:

@@ -39,6 +39,7 @@ from rollkit.losses import entropy_from_logits
 from trainers.engines.base import position_ids_from_mask
 from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
+from trainers.engines.offload import Offloadable, resident, state_tensors
 from trainers.engines.packed import PackedCall, packed_call, scatter_response
 from trainers.engines.precision import MasterWeights
 from trainers.models import save_model
@@ -391,7 +392,7 @@ def _packed_logprobs(
     return scatter_response(out, call)
 
 
-class TorchTrainEngine:
+class TorchTrainEngine(Offloadable):
     """A :class:`~trainers.engines.base.TrainEngine` in plain PyTorch.
 
     Args:
@@ -435,6 +436,10 @@ class TorchTrainEngine:
 
     A step whose gradient norm is not finite is skipped (no update, gradients zeroed,
     ``metrics["skipped"] == 1``).
+
+    :meth:`offload` / :meth:`onload` (``placement.offload_train``): the parameters, gradients,
+    optimizer state, buffers and float32 masters to the host and back
+    (:mod:`trainers.engines.offload`); a method that needs them onloads first.
     """
 
     #: a LoRA policy's :meth:`export_weights`: ``"merged"`` (full weights, any rollout engine)
@@ -519,8 +524,15 @@ class TorchTrainEngine:
     def world_size(self) -> int:
         return self._world
 
+    def _offload_tensors(self) -> list[Tensor]:
+        master = [] if self._master is None else self._master.params
+        return state_tensors(
+            self.model, [self.optimizer], [*master, *(m.grad for m in master if m.grad is not None)]
+        )
+
     # ------------------------------------------------------------------ forward / backward
 
+    @resident
     def logprobs(
         self,
         input_ids: Tensor,  # [B, L]
@@ -562,6 +574,7 @@ class TorchTrainEngine:
             inputs=inputs,
         )
 
+    @resident
     def backward(self, loss: Tensor) -> None:
         """Accumulate ``d loss / d params`` (one micro-batch; the caller scales the loss)."""
         if loss.dim() != 0:
@@ -592,6 +605,7 @@ class TorchTrainEngine:
                 g.copy_(flat[off : off + g.numel()].view_as(g))
                 off += g.numel()
 
+    @resident
     def step(self) -> dict[str, float]:
         """All-reduce (if data parallel), clip, optimizer step, scheduler step, zero_grad.
 
@@ -625,6 +639,7 @@ class TorchTrainEngine:
 
     # ------------------------------------------------------------------ weights / checkpoints
 
+    @resident
     def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
         """The policy as a Hugging Face model directory (``save_pretrained`` of the model and
         ``tokenizer``), written by rank 0 (:func:`trainers.models.save_model`)."""
@@ -635,6 +650,7 @@ class TorchTrainEngine:
                 save_model(self.model, tokenizer, path)
         return Path(path)
 
+    @resident
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(name, tensor)`` for every parameter, named as in the model's ``state_dict``.
 
@@ -652,6 +668,7 @@ class TorchTrainEngine:
             t = p.detach()
             yield name, (t if dtype is None else t.to(dtype))
 
+    @resident
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optimizer", "scheduler", "global_step"}``. The tensors are the live
         ones (as with ``nn.Module.state_dict``): ``torch.save`` or ``copy.deepcopy`` them."""
@@ -663,6 +680,7 @@ class TorchTrainEngine:
             "master": None if self._master is None else [m.detach() for m in self._master.params],
         }
 
+    @resident
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (strict about model keys)."""
         self.model.load_state_dict(state["model"], strict=True)

@@ -254,6 +254,14 @@ def _save_models(loop: Loop, directory: Path) -> Path:
     return path
 
 
+def _train_to_host(loop: Any) -> None:
+    """Move the train state back to the host after a checkpoint or a resume read it
+    (``placement.offload_train``; the engines onload themselves for such reads)."""
+    roles = getattr(loop, "roles", None)
+    if roles is not None:
+        roles.offload_train()
+
+
 def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = _progress) -> dict[str, Any]:
     """Resume (``checkpoint.resume``), evaluate, train up to ``steps`` (default ``train.steps``;
     counted from the current step), evaluate; returns a summary. ``line(step, total, metrics)``
@@ -263,6 +271,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     if cfg.checkpoint.resume:
         loop.load_checkpoint(cfg.checkpoint.resume)
         resume_step = loop.global_step
+        _train_to_host(loop)
     total = cfg.train.steps if steps is None else steps
     lg = cfg.logging
     tracker = make_tracker(cfg, resume_step=resume_step)
@@ -288,6 +297,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
             step_dir = loop.save_checkpoint()
             if lg.save_model:
                 _save_models(loop, step_dir)
+            _train_to_host(loop)  # the checkpoint read the train state (placement.offload_train)
     train_time = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -298,6 +308,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     if cfg.checkpoint.dir:
         loop.save_checkpoint()
     model_dir = _save_models(loop, tracker.dir) if lg.save_model else None
+    _train_to_host(loop)
     steps_run = loop.global_step - start
     tb = tracker.dir / "tb"
     return {

@@ -294,6 +294,9 @@ class DistillTrainer:
         groups, metrics, lengths = self.collector.collect(self.global_step, timer)
         if groups:
             batch = pack_generations([g for _, gs, _ in groups for g in gs], self.codec.pad_id)
+            if self.roles.offload:  # a colocated rollout sleeps, an offloaded train state returns
+                with timer("offload"):
+                    self.roles.sleep_rollout()
             if self.cfg.distill.mode == "loss":
                 with timer("train"):
                     metrics.update(self.distill_update(batch, timer))
@@ -345,9 +348,6 @@ class DistillTrainer:
         if cfg.distill.task_coef:
             adv = adv + cfg.distill.task_coef * self._task_advantages(groups, mask)
         metrics["advantage/abs_mean"] = float(adv.abs().sum() / n_tok)
-        if self.roles.offload:
-            with timer("offload"):
-                self.roles.sleep_rollout()
         with timer("train"):
             metrics.update(self.learner.update(batch, adv, None, seed=cfg.seed * 7919 + self.global_step))
         return metrics

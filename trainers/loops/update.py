@@ -6,8 +6,9 @@
     mismatch correction weights] -> [DAPO soft overlong penalty] -> [reference log-probs, KL as
     a reward penalty (adaptive coefficient) or a loss term] -> [running / batch reward
     normalisation, per domain] -> [reward clip] -> advantages (registry name) -> [max-length
-    mask] -> [advantage whitening] -> [advantage clip] -> [colocated rollout sleeps] -> the
-    learner's PPO update (every train rank)
+    mask] -> [advantage whitening] -> [advantage clip] -> the learner's PPO update (every train
+    rank); first of all a colocated rollout sleeps and an offloaded train state comes back
+    (``placement.offload``, ``placement.offload_train``)
 
 The bracketed ROLL options (``reward.overlong_*``, ``algorithm.kl.target``,
 ``algorithm.reward_clip``, ``filter.max_len_mask``, ``algorithm.whiten_advantages``,
@@ -106,6 +107,9 @@ class GroupUpdate:
         gens = [g for _, gs, _ in groups for g in gs]
         batch = pack_generations(gens, self.pad_id)
         metrics: dict[str, float] = {}
+        if self.roles.offload:  # the device passes from the rollout to the learner (roles.sleep_rollout)
+            with timer("offload"):
+                self.roles.sleep_rollout()
         if recompute or needs_recompute(a.correction):
             self.recompute_proximal(batch, timer)
             metrics.update(apply_correction(batch, a.correction))
@@ -156,9 +160,6 @@ class GroupUpdate:
             adv = self.critic_step.keep(adv)  # AsyPPO's advantage mask survives the whitening
         metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
         metrics.update(domain_metrics(domains, task_rewards, gens, adv, mask))
-        if self.roles.offload:
-            with timer("offload"):
-                self.roles.sleep_rollout()
         if self.critic is not None:
             with timer("critic_train"):
                 metrics.update(self.critic_step.update(seed=cfg.seed * 7919 + step))

@@ -277,6 +277,8 @@ class TrainWorker:
         return _node_id()
 
     def update(self, payload: dict[str, Any], seed: int) -> tuple[dict[str, float], dict[str, float]]:
+        # a tensor- / pipeline-parallel engine: the ranks of one model-parallel group share the data
+        dp = hasattr(self.engine, "dp_rank")
         stats = ppo_update(
             self.engine,
             payload["batch"],
@@ -284,8 +286,8 @@ class TrainWorker:
             self.spec,
             ref_logprobs=payload["ref_logprobs"],
             seed=seed,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self.engine.dp_rank if dp else self.rank,
+            world_size=self.engine.world_size if dp else self.world_size,
         )
         return dict(stats.sums), dict(stats.counts), stats.mismatch
 
@@ -326,8 +328,26 @@ class TrainWorker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)
 
+    def offload(self) -> None:
+        """The engine's training state to the host (``placement.offload_train``)."""
+        _engine_offload(self.engine, "offload")
+
+    def onload(self) -> None:
+        """The engine's training state back to the device."""
+        _engine_offload(self.engine, "onload")
+
     def node_id(self) -> str:
         return _node_id()
+
+
+def _engine_offload(engine: Any, what: str) -> None:
+    """``engine.offload()`` / ``onload()``, or a one-line error naming the config key."""
+    method = getattr(engine, what, None)
+    if not callable(method):
+        raise ValueError(
+            f"placement.offload_train: {type(engine).__name__} has no {what}(); set placement.offload_train=false"
+        )
+    method()
 
 
 class ReferenceWorker:
@@ -779,6 +799,15 @@ class RayTrainGroup:
         ray = _ray()
         ref = ray.put(state)
         self._all([w.load_state_dict.remote(ref) for w in self.workers], "load_state_dict")
+
+    def offload(self) -> None:
+        """Every rank's training state to the host (``placement.offload_train``), with the
+        deadline of ``sleep`` / ``wake`` (``ray.timeout_s``)."""
+        self._all([w.offload.remote() for w in self.workers], "offload")
+
+    def onload(self) -> None:
+        """Every rank's training state back to its device."""
+        self._all([w.onload.remote() for w in self.workers], "onload")
 
     def node_ids(self) -> list[str]:
         return self._all([w.node_id.remote() for w in self.workers], "node_id")
