@@ -51,6 +51,7 @@ from trainers.engines.compiled import adamw
 from trainers.engines.megatron_cpu import install as install_cpu_shims
 from trainers.engines.megatron_cpu import seed_model_parallel_rng
 from trainers.engines.megatron_weights import Layout, is_sharded, layout_of, pairs, to_hf, to_megatron
+from trainers.engines.offload import Offloadable, resident, state_tensors
 from trainers.engines.torch_train import response_logprobs, used_response_width
 from trainers.models import save_model
 
@@ -181,7 +182,7 @@ class _HFView:
         return SimpleNamespace(logits=h.transpose(0, 1) @ self._e._head_weight().t())
 
 
-class MegatronTrainEngine:
+class MegatronTrainEngine(Offloadable):
     """A :class:`~trainers.engines.base.TrainEngine` on Megatron-Core (module docstring).
 
     Args:
@@ -196,6 +197,10 @@ class MegatronTrainEngine:
             ``dtype`` parameters (None: none).
         logprob_chunk_tokens: ``> 0``: the memory-lean head (no ``[B, T, V]`` logits).
         seed: the model-parallel RNG state (dropout, recomputation).
+
+    :meth:`offload` / :meth:`onload` (``placement.offload_train``): this rank's weights,
+    gradients and AdamW state to the host and back (:mod:`trainers.engines.offload`); a method
+    that needs them onloads first.
 
     >>> # torchrun --nproc-per-node 2: MegatronTrainEngine(hf_model, tp=2)  # doctest: +SKIP
     """
@@ -245,6 +250,9 @@ class MegatronTrainEngine:
         self.scheduler, self.grad_clip, self.global_step = scheduler, grad_clip, 0
         self._view = _HFView(self)
         self._pending: _Record | None = None
+
+    def _offload_tensors(self) -> list[Tensor]:
+        return state_tensors(self.model, [self.optimizer])
 
     # ------------------------------------------------------------------ groups
 
@@ -306,6 +314,7 @@ class MegatronTrainEngine:
             w = _GatherRows.apply(w, group, self.tp_rank, self.lay.tp)
         return w[: self.lay.vocab]
 
+    @resident
     def logprobs(
         self,
         input_ids: Tensor,  # [B, L]
@@ -365,6 +374,7 @@ class MegatronTrainEngine:
         buf.requires_grad_(torch.is_grad_enabled())
         return (buf[0], buf[1]) if with_entropy else buf[0]
 
+    @resident
     def backward(self, loss: Tensor) -> None:
         """Accumulate ``d loss / d params`` (one micro-batch): with ``pp > 1`` the last stage
         back-propagates the loss and each stage sends its input's gradient to the previous."""
@@ -428,6 +438,7 @@ class MegatronTrainEngine:
             torch.distributed.all_reduce(sq, group=self._ps.get_model_parallel_group())
         return float(sq.sqrt())
 
+    @resident
     def step(self) -> dict[str, float]:
         """Reduce the gradients (:meth:`_reduce_grads`), clip to ``grad_clip`` by the global
         norm (``torch.nn.utils.clip_grad_norm_``'s coefficient ``max / (norm + 1e-6)``), AdamW
@@ -479,6 +490,7 @@ class MegatronTrainEngine:
                     torch.distributed.broadcast(t, src=self._stage_rank(stage), group=group)
                 yield name, t
 
+    @resident
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
         """``(Hugging Face name, whole tensor)`` of every weight, in ``named_parameters`` order
         (a tied LM head once), on every rank: a collective, every rank must consume it."""
@@ -486,6 +498,7 @@ class MegatronTrainEngine:
         for name, t in self._full(local, self.dtype):
             yield name, (t if dtype is None else t.to(dtype))
 
+    @resident
     def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:
         """The policy as a Hugging Face model directory (every rank gathers, global rank 0
         writes)."""
@@ -501,6 +514,7 @@ class MegatronTrainEngine:
             save_model(hf, tokenizer, path)
         return Path(path)
 
+    @resident
     def state_dict(self) -> dict[str, Any]:
         """``{"model", "optimizer", "scheduler", "global_step"}`` with whole tensors under Hugging
         Face names (weights and AdamW moments), so the checkpoint loads at any ``tp`` / ``pp``.
@@ -523,6 +537,7 @@ class MegatronTrainEngine:
             "global_step": self.global_step,
         }
 
+    @resident
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (from any ``tp`` / ``pp``)."""
         self._load_hf(state["model"])
