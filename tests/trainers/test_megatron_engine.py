@@ -323,3 +323,28 @@ def test_offload_moves_the_megatron_state_and_restores_it_bit_identically(megatr
     eng.offload()  # an offloaded engine onloads itself when used
     for (n1, a), (n2, b) in zip(eng.export_weights(), twin.export_weights(), strict=True):
         assert n1 == n2 and torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_checkpoints_and_resumes_on_megatron(tmp_path):
+    """`python recipes/rlvr_qwen.py train.engine=megatron`: two steps with a checkpoint each, then
+    a third step resumed from the latest checkpoint (its weights and AdamW moments)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    base = [sys.executable, str(root / "recipes" / "rlvr_qwen.py"), "--model", "tiny", "train.engine=megatron",
+            "data.digits=1", "data.eval_size=10", "rollout.prompts_per_step=2", "rollout.n=2",
+            "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
+            f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([*base, "train.steps=2"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 steps," in out.stdout and "held-out accuracy after" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001", "step_000002"]
+    again = subprocess.run([*base, "train.steps=3", "checkpoint.resume=auto"], capture_output=True, text=True,
+                           timeout=300, env=env)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "1 steps," in again.stdout  # steps 1-2 came from the checkpoint
+    assert (tmp_path / "ckpt" / "step_000003").is_dir()
