@@ -137,6 +137,9 @@ class RolloutConfig:
     # request-level hf engine (async, tail batching, length_dist): tokens a request advances per step
     chunk_tokens: int = 16
     gpu_memory_utilization: float = 0.5  # vLLM on GPUs
+    # vLLM's tensor parallelism: each rollout engine (or local vllm serve) shards the model over
+    # this many devices (LLM(tensor_parallel_size=...), --tensor-parallel-size). hf: 1 only
+    tensor_parallel_size: int = 1
     max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
     # rollout.engine=server (docs/server.md): comma-separated http://host:port of running vllm
     # servers; "" starts num_servers local ones (logs and weight files in server_dir, "" = a temp dir)
@@ -203,6 +206,11 @@ class TrainConfig:
     # the gradient is the same sum up to float rounding)
     sort_by_length: bool = False
     device: str = "cpu"
+    # recompute each decoder layer's activations in the backward (non-reentrant), every engine
+    gradient_checkpointing: bool = False
+    # train.engine=fsdp2: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer
+    # state live on the host; the optimizer steps there; each layer is copied in for its compute)
+    fsdp2_cpu_offload: bool = False
     # Mixed precision of the torch engine's forward/backward (fp32 master weights and optimizer):
     # "off", "bfloat16", "float16", or "auto" (bfloat16 where it is fast, as rollout.dtype).
     autocast: str = "off"
@@ -495,11 +503,13 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     """``dir`` empty: no checkpoints. ``resume``: a checkpoint directory, or ``"auto"`` (the
-    latest under ``dir``)."""
+    latest under ``dir``). ``keep > 0``: after each save only the newest ``keep`` ``step_<k>``
+    directories under ``dir`` stay (never the one just written, never the one ``resume`` names)."""
 
     dir: str = ""
     every: int = 0
     resume: str = ""
+    keep: int = 0  # 0: keep every checkpoint
 
 
 @dataclass
@@ -954,6 +964,66 @@ def _check_numbers(rows: list[tuple[str, Any, str]]) -> None:
             raise ValueError(f"{name} must be {text}, got {v!r}")
 
 
+def _check_bools(rows: list[tuple[str, Any]]) -> None:
+    for name, v in rows:
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be true or false, got {v!r}")
+
+
+def _check_train_scale(cfg: Any) -> None:
+    """``train.gradient_checkpointing`` and ``train.fsdp2_cpu_offload`` (both trainers)."""
+    t = cfg.train
+    _check_bools([("train.gradient_checkpointing", t.gradient_checkpointing),
+                  ("train.fsdp2_cpu_offload", t.fsdp2_cpu_offload)])  # fmt: skip
+    critic_engine = getattr(getattr(cfg, "critic", None), "engine", "")
+    if t.fsdp2_cpu_offload and "fsdp2" not in (t.engine, critic_engine):
+        raise ValueError(
+            f"train.fsdp2_cpu_offload: FSDP2's CPUOffloadPolicy needs train.engine=fsdp2, got {t.engine!r} "
+            "(DeepSpeed offloads through ds_config's offload_param / offload_optimizer)"
+        )
+
+
+def _check_rollout_scale(c: Config) -> None:
+    """``rollout.tensor_parallel_size`` and ``placement.offload_train``."""
+    r, p = c.rollout, c.placement
+    _check_numbers([("rollout.tensor_parallel_size", r.tensor_parallel_size, "int>=1")])
+    if r.tensor_parallel_size > 1 and r.engine == "hf":
+        raise ValueError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the transformers engine (rollout.engine=hf) "
+            "runs on one device; use rollout.engine=vllm or server, or tensor_parallel_size=1"
+        )
+    gpus = p.gpus_per_worker or 0
+    if r.tensor_parallel_size > 1 and c.ray.enabled and gpus < r.tensor_parallel_size:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size}: each Ray rollout actor needs that many "
+            f"GPUs in its bundle; set placement.gpus_per_worker >= {r.tensor_parallel_size} (got {p.gpus_per_worker})"
+        )
+    _check_bools([("placement.offload_train", p.offload_train)])
+    if p.offload_train and c.ray.enabled and p.mode != "colocated":
+        raise ValueError(
+            f"placement.offload_train: applies to placement.mode=colocated (the train actors share the rollout's "
+            f"devices), got placement.mode={p.mode!r}"
+        )
+
+
+def _check_lora(t: TrainConfig) -> None:
+    """``train.lora_*`` against the engine."""
+    if t.lora_rank and t.engine == "deepspeed" and t.zero_stage == 3:
+        raise ValueError(
+            "train.lora_rank: LoRA with train.engine=deepspeed needs train.zero_stage <= 2 (the merged export and "
+            "the peft save read whole base and adapter weights, which ZeRO-3 keeps partitioned; not wired)"
+        )
+    if t.lora_rank and t.engine == "fsdp2":
+        raise ValueError(
+            "train.lora_rank: LoRA is wired for train.engine=torch and deepspeed (ZeRO 0-2), not fsdp2 (the merged "
+            "export and the peft save read whole weights, which FSDP2 keeps as sharded DTensors; not wired)"
+        )
+    if t.lora_rank and not [s for s in t.lora_targets.split(",") if s.strip()]:
+        raise ValueError("train.lora_targets: name at least one module (comma-separated), e.g. q_proj,v_proj")
+    if t.lora_dropout >= 1:
+        raise ValueError(f"train.lora_dropout must be in [0, 1), got {t.lora_dropout!r}")
+
+
 def _check_master_weights(cfg: Any) -> None:
     """``train.master_weights`` needs the torch engine, low-precision weights and no autocast."""
     t = cfg.train
@@ -1016,16 +1086,8 @@ def _check_common(cfg: Any) -> None:
         raise ValueError(f"rollout.top_k must be -1 or 0 (off) or a positive int, got {r.top_k!r}")
     if r.max_batch_size is not None:
         _check_numbers([("rollout.max_batch_size", r.max_batch_size, "int>=1")])
-    if t.lora_rank and t.engine == "deepspeed" and t.zero_stage == 3:
-        raise ValueError("train.lora_rank: LoRA with train.engine=deepspeed needs train.zero_stage <= 2")
-    if t.lora_rank and t.engine == "fsdp2":
-        raise ValueError(
-            "train.lora_rank: LoRA is wired for train.engine=torch and deepspeed (ZeRO 0-2), not fsdp2"
-        )
-    if t.lora_rank and not [s for s in t.lora_targets.split(",") if s.strip()]:
-        raise ValueError("train.lora_targets: name at least one module (comma-separated), e.g. q_proj,v_proj")
-    if t.lora_dropout >= 1:
-        raise ValueError(f"train.lora_dropout must be in [0, 1), got {t.lora_dropout!r}")
+    _check_lora(t)
+    _check_train_scale(cfg)
     if t.logprob_chunk_tokens and t.engine == "deepspeed" and t.zero_stage == 3:
         raise ValueError(
             "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "
@@ -1480,6 +1542,7 @@ def validate(cfg: Config) -> None:
     _check_common(c)
     _check_critic(c)
     _check_rollout_extras(c)
+    _check_rollout_scale(c)
     _check_algorithm(c)
     _check_roll_options(c)
     _check_data(c)
@@ -1564,7 +1627,7 @@ def _check_servers(r: RolloutConfig) -> None:
 
 def _check_checkpoint(c: Any) -> None:
     ck = c.checkpoint
-    _check_numbers([("checkpoint.every", ck.every, "int>=0")])
+    _check_numbers([("checkpoint.every", ck.every, "int>=0"), ("checkpoint.keep", ck.keep, "int>=0")])
     if ck.resume and ck.resume != "auto" and not Path(ck.resume).exists():
         raise ValueError(f"checkpoint.resume: no such checkpoint: {ck.resume}")
     if ck.resume == "auto" and not ck.dir:

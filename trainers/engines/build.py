@@ -212,6 +212,10 @@ def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) ->
     which lives as long as the engine (``engine.model_dir``)."""
     r = cfg.rollout
     if r.engine == "hf":
+        if r.tensor_parallel_size != 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the hf engine runs on one device"
+            )
         return HFRolloutEngine(
             model, tokenizer, device=device, dtype=rollout_dtype(cfg, device), max_batch_size=r.max_batch_size
         )
@@ -225,6 +229,7 @@ def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) ->
             max_model_len=r.max_model_len,
             seed=cfg.seed,
             lora=_rollout_lora(cfg),
+            tensor_parallel_size=r.tensor_parallel_size,
         )
         eng.model_dir = tmp  # removed with the engine
         return eng
@@ -269,7 +274,12 @@ def make_server_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> 
             num_servers=r.num_servers,
             run_dir=run,
             startup_timeout_s=r.server_startup_timeout_s,
-            server_kw=dict(max_model_len=r.max_model_len, seed=cfg.seed, kv_cache_gib=r.server_kv_cache_gib),
+            server_kw=dict(
+                max_model_len=r.max_model_len,
+                seed=cfg.seed,
+                kv_cache_gib=r.server_kv_cache_gib,
+                tensor_parallel_size=r.tensor_parallel_size,
+            ),
             **kw,
         )
     eng.model_dir = tmp  # removed with the engine
@@ -304,19 +314,25 @@ def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy"
     kw["packing"] = bool(t.packing)
     kw["compile_backend"] = t.compile_backend if t.compile else None
     kw["fused_optimizer"] = bool(t.fused_optimizer)
+    ckpt = bool(t.gradient_checkpointing)  # train.gradient_checkpointing, every engine
     if t.engine == "torch":
         master = bool(t.master_weights) and dtype in (torch.bfloat16, torch.float16)
-        eng: Any = TorchTrainEngine(model, autocast=train_autocast(cfg, device), master_weights=master, **kw)
+        autocast = train_autocast(cfg, device)
+        eng: Any = TorchTrainEngine(
+            model, autocast=autocast, master_weights=master, gradient_checkpointing=ckpt, **kw
+        )
         eng.lora_export = _lora_export(cfg)
         return eng
     if t.engine == "deepspeed":
         train_autocast(cfg, device)  # rejects an explicit autocast
-        eng = DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, **kw)
+        eng = DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, gradient_checkpointing=ckpt, **kw)
         eng.lora_export = _lora_export(cfg)
         return eng
     if t.engine == "fsdp2":
         train_autocast(cfg, device)  # rejects an explicit autocast (FSDP2 has mixed_precision)
-        return FSDP2TrainEngine(model, **kw)
+        return FSDP2TrainEngine(
+            model, gradient_checkpointing=ckpt, cpu_offload=bool(t.fsdp2_cpu_offload), **kw
+        )
     raise ValueError(f"train.engine must be one of {TRAIN_ENGINES}, got {t.engine!r}")
 
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainers.engines.compiled import adamw, prepare_model
@@ -197,6 +197,13 @@ class FSDP2TrainEngine(Offloadable):
         packing: padding-free micro-batches (:mod:`trainers.engines.packed`; with ``share_prompts`` a repeated prompt appears once in the packed row).
         compile_backend, fused_optimizer: compiled decoder layers (before sharding), fused AdamW
             (:mod:`trainers.engines.compiled`, as ``TorchTrainEngine``).
+        gradient_checkpointing: recompute each decoder layer's activations in the backward
+            (the Hugging Face model's non-reentrant checkpointing, enabled before sharding); no
+            prompt sharing then (it needs the KV cache).
+        cpu_offload: FSDP2's ``CPUOffloadPolicy`` (``train.fsdp2_cpu_offload``): the sharded
+            parameters, their gradients and the optimizer state live on the host (pinned on
+            CUDA) and the optimizer steps there; each unit's shards are copied to the device
+            for its all-gather. On a CPU device it changes nothing but the code path.
 
     Gradients: every :meth:`backward` reduce-scatters the layers' gradients into each rank's
     shard, *averaged* over ranks (as DDP / DeepSpeed / TorchTrainEngine), and sums them over
@@ -236,11 +243,15 @@ class FSDP2TrainEngine(Offloadable):
         packing: bool = False,
         compile_backend: str | None = None,
         fused_optimizer: bool = False,
+        gradient_checkpointing: bool = False,
+        cpu_offload: bool = False,
     ) -> None:
         flags = {
             "reshard_after_forward": reshard_after_forward,
             "share_prompts": share_prompts,
             "packing": packing,
+            "gradient_checkpointing": gradient_checkpointing,
+            "cpu_offload": cpu_offload,
         }
         device = _check_args(
             model, lr, weight_decay, grad_clip, dtype, device, optimizer_factory, mixed_precision, flags,
@@ -253,9 +264,11 @@ class FSDP2TrainEngine(Offloadable):
         self.device = device
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.grad_clip, self.dtype, self.mixed_precision = grad_clip, dtype, mixed_precision
-        self.share_prompts, self.logprob_chunk_tokens = share_prompts, logprob_chunk_tokens
-        self.packing = packing
+        self.share_prompts = share_prompts and not gradient_checkpointing  # checkpointing: no KV cache
+        self.logprob_chunk_tokens, self.packing, self.cpu_offload = logprob_chunk_tokens, packing, cpu_offload
         prepare_model(model, packing=packing, compile_backend=compile_backend)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._arch = (type(model), getattr(model, "config", None))  # for save_model's unsharded skeleton
         model = model.to(device=device, dtype=dtype)
         if self.world_size > 1:
@@ -280,6 +293,8 @@ class FSDP2TrainEngine(Offloadable):
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = MixedPrecisionPolicy(param_dtype=self.mixed_precision, reduce_dtype=self.dtype)
         kw = {"mesh": mesh, "mp_policy": mp}
+        if self.cpu_offload:
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         for layer in _decoder_layers(model):
             fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
         # The root's weights (embeddings, final norm, LM head) are needed again at once by the

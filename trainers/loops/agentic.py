@@ -406,7 +406,10 @@ class AgenticTrainer:
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
         """Write ``<checkpoint.dir>/step_<version>/trainer.pt``; returns the step directory."""
         self._drain()
-        return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.version)
+        ck = self.cfg.checkpoint
+        return write_checkpoint(
+            self.state_dict(), directory or ck.dir, self.version, keep=ck.keep, resume=ck.resume
+        )
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore a checkpoint (a ``step_<k>`` directory, or ``"auto"``: the latest under

@@ -292,7 +292,10 @@ class AsyncTrainer:
         return self.learner.save_model(path, self.tok)
 
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
-        return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.global_step)
+        ck = self.cfg.checkpoint
+        return write_checkpoint(
+            self.state_dict(), directory or ck.dir, self.global_step, keep=ck.keep, resume=ck.resume
+        )
 
     def load_checkpoint(self, path: str | Path) -> None:
         if self.scheduler.running:

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import random
 import resource
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -33,6 +34,7 @@ __all__ = [
     "loop_state",
     "read_checkpoint",
     "restore_loop_state",
+    "rotate_checkpoints",
     "run_fit",
     "write_checkpoint",
 ]
@@ -90,8 +92,12 @@ def memory_metrics() -> dict[str, float]:
     return out
 
 
-def write_checkpoint(state: dict[str, Any], root: str | Path, step: int) -> Path:
-    """Write ``state`` to ``<root>/step_<step>/trainer.pt`` atomically; returns the step directory."""
+def write_checkpoint(
+    state: dict[str, Any], root: str | Path, step: int, *, keep: int = 0, resume: str | Path = ""
+) -> Path:
+    """Write ``state`` to ``<root>/step_<step>/trainer.pt`` atomically; returns the step directory.
+    ``keep > 0`` (``checkpoint.keep``): then delete the oldest checkpoints beyond ``keep``
+    (:func:`rotate_checkpoints`, sparing this one and ``resume``)."""
     root = Path(root)
     if not str(root):
         raise ValueError("checkpoint.dir: empty")
@@ -100,7 +106,28 @@ def write_checkpoint(state: dict[str, Any], root: str | Path, step: int) -> Path
     tmp = path / "trainer.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(path / "trainer.pt")
+    if keep:
+        rotate_checkpoints(root, keep, protect=[path, resume])
     return path
+
+
+def rotate_checkpoints(root: str | Path, keep: int, *, protect: list[str | Path] = ()) -> list[Path]:
+    """Delete the oldest ``step_<k>`` checkpoint directories under ``root`` (by step number) so
+    that ``keep`` remain, never one in ``protect`` (the checkpoint just written, the one
+    ``checkpoint.resume`` names; ``"auto"`` names the newest, always kept); returns the deleted
+    ones. Only directories named ``step_<digits>`` are touched."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"checkpoint.keep must be an int >= 0, got {keep!r}")
+    found = sorted(
+        (int(d.name[5:]), d) for d in Path(root).glob("step_*") if d.is_dir() and d.name[5:].isdigit()
+    )
+    spared = {Path(p).resolve() for p in protect if p and str(p) != "auto"}
+    deleted = []
+    for _, d in found[: max(len(found) - keep, 0)]:
+        if d.resolve() not in spared and not any(s.is_relative_to(d.resolve()) for s in spared):
+            shutil.rmtree(d)
+            deleted.append(d)
+    return deleted
 
 
 def latest_checkpoint(root: str | Path) -> Path:

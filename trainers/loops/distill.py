@@ -382,7 +382,10 @@ class DistillTrainer:
 
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
         """``<checkpoint.dir>/step_<k>/trainer.pt`` (the frozen teacher is rebuilt, not saved)."""
-        return write_checkpoint(loop_state(self), directory or self.cfg.checkpoint.dir, self.global_step)
+        ck = self.cfg.checkpoint
+        return write_checkpoint(
+            loop_state(self), directory or ck.dir, self.global_step, keep=ck.keep, resume=ck.resume
+        )
 
     def load_checkpoint(self, path: str | Path) -> None:
         restore_loop_state(self, read_checkpoint(path, self.cfg.checkpoint.dir))

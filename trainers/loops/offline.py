@@ -147,6 +147,9 @@ def validate_offline(cfg: OfflineConfig) -> None:
         raise ValueError(f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     if t.steps < 0:
         raise ValueError(f"train.steps must be >= 0, got {t.steps}")
+    keep = cfg.checkpoint.keep
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"checkpoint.keep must be an int >= 0, got {keep!r}")
     if o.aggregation not in AGGREGATIONS:
         raise ValueError(f"offline.aggregation: unknown {o.aggregation!r}; known: {', '.join(AGGREGATIONS)}")
     if not o.beta > 0:
@@ -499,7 +502,10 @@ class OfflineTrainer:
 
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
         """``<checkpoint.dir>/step_<k>/trainer.pt`` (the reference is the initial policy, rebuilt)."""
-        return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.global_step)
+        ck = self.cfg.checkpoint
+        return write_checkpoint(
+            self.state_dict(), directory or ck.dir, self.global_step, keep=ck.keep, resume=ck.resume
+        )
 
     def load_checkpoint(self, path: str | Path) -> None:
         self.load_state_dict(read_checkpoint(path, self.cfg.checkpoint.dir))

@@ -138,7 +138,10 @@ class SyncTrainer:
 
     def save_checkpoint(self, directory: str | Path | None = None) -> Path:
         """Write ``<checkpoint.dir>/step_<k>/trainer.pt``; returns the step directory."""
-        return write_checkpoint(self.state_dict(), directory or self.cfg.checkpoint.dir, self.global_step)
+        ck = self.cfg.checkpoint
+        return write_checkpoint(
+            self.state_dict(), directory or ck.dir, self.global_step, keep=ck.keep, resume=ck.resume
+        )
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore a checkpoint (a ``step_<k>`` directory, or ``"auto"``: the latest under
