@@ -47,6 +47,12 @@ Cases:
   update of the torch engine (bf16 autocast, lean head), weights pushed back to the rollout
   engine; reported: rollout tokens/s, train tokens/s and the step's seconds (median of
   ``--steps`` after ``--warmup``).
+- ``megatron``, ``megatron-lean``: the same step on the Megatron-Core engine
+  (:mod:`trainers.engines.megatron_train`, TP = PP = 1 over an NCCL world of 1, bf16 autocast over
+  float32 weights as ``torch`` / ``torch-lean``; float32 on a CPU): its row beside the torch engine's.
+- ``offload``: ``placement.offload_train`` on the torch and Megatron engines: device memory the
+  training state holds after a step and after ``offload()``, and the seconds of ``offload()`` /
+  ``onload()``.
 - ``agree``: on CUDA, float32: one step of the torch engine and of FSDP2 (world 1) from the
   same tiny Qwen2 on the same batch (max abs weight difference), and the torch engine's
   lean log-probs and gradients against its plain ones.
@@ -79,9 +85,9 @@ import torch  # noqa: E402
 STEP_CASES = (
     "torch", "torch-lean", "torch-bf16", "lora", "fsdp2", "deepspeed2", "deepspeed3",
     "torch-packed", "torch-compiled", "torch-packed-compiled", "ragged-padded", "ragged-packed",
-    "ragged-packed-compiled",
+    "ragged-packed-compiled", "megatron", "megatron-lean",
 )  # fmt: skip
-CASES = ("logprobs", "agree", *STEP_CASES, "rl-step")
+CASES = ("logprobs", "agree", *STEP_CASES, "rl-step", "offload")
 
 QWEN2_05B = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -257,6 +263,12 @@ def _engine(case: str, model, a: argparse.Namespace):
         stage = int(case[-1])
         return DeepSpeedTrainEngine(model, zero_stage=stage, lr=1e-5, device=dev, dtype=bf16, share_prompts=False,
                                     logprob_chunk_tokens=chunk if stage < 3 else 0)  # fmt: skip
+    if case in ("megatron", "megatron-lean"):
+        from trainers.engines.megatron_train import MegatronTrainEngine
+
+        # bf16 autocast on CUDA (Megatron's linear layers autocast there only), float32 on a CPU
+        return MegatronTrainEngine(model, lr=1e-5, device=dev, autocast=bf16 if dev.startswith("cuda") else None,
+                                   logprob_chunk_tokens=chunk if case == "megatron-lean" else 0)  # fmt: skip
     raise ValueError(f"case: unknown {case!r}")
 
 
@@ -371,6 +383,38 @@ def case_rl_step(a: argparse.Namespace) -> list[dict]:
                  train_tokens_per_s=statistics.median(train))]  # fmt: skip
 
 
+def case_offload(a: argparse.Namespace) -> list[dict]:
+    """``placement.offload_train``: device memory held by the torch and Megatron engines' state
+    after a step (weights, gradients of the next micro-batch, AdamW moments), after ``offload()``,
+    and the seconds of ``offload()`` / ``onload()`` (median of ``--repeats``)."""
+    dev, cfg = a.device, SMOKE if a.smoke else QWEN2_05B
+    b = _batch(cfg["vocab_size"], a.rows, a.prompt, a.response)
+    b = type(b)(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in vars(b).items()})
+    out = []
+    for case in ("torch-lean", "megatron-lean"):
+        engine = _engine(case, _model(cfg), a)
+        _one_step(engine, b, a.micro)
+        mb = b[torch.arange(min(a.micro, a.rows), device=b.input_ids.device)]
+        engine.backward(engine.logprobs(mb.input_ids, mb.attention_mask, mb.response_mask).sum() * 0)
+        _sync(dev)
+        held = torch.cuda.memory_allocated() if dev.startswith("cuda") else 0
+        t_off, t_on = [], []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            engine.offload()
+            _sync(dev)
+            t1 = time.perf_counter()
+            after = torch.cuda.memory_allocated() if dev.startswith("cuda") else 0
+            engine.onload()
+            _sync(dev)
+            t_off.append(t1 - t0)
+            t_on.append(time.perf_counter() - t1)
+        out.append(dict(case="offload", engine=case, device=dev, held_gib=held / 2**30, offloaded_gib=after / 2**30,
+                        offload_s=statistics.median(t_off), onload_s=statistics.median(t_on)))  # fmt: skip
+        del engine
+    return out
+
+
 # --------------------------------------------------------------------------- agreement
 def case_agree(a: argparse.Namespace) -> list[dict]:
     from trainers.engines.fsdp2_train import FSDP2TrainEngine
@@ -411,6 +455,8 @@ def _run_case(case: str, a: argparse.Namespace) -> list[dict]:
         return case_agree(a)
     if case == "rl-step":
         return case_rl_step(a)
+    if case == "offload":
+        return case_offload(a)
     return case_step(case, a)
 
 

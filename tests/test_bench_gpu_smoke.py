@@ -10,13 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_gpu_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu.md"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--device", "cpu", "--smoke",
-           "--cases", "agree", "torch-lean", "--timeout", "240", "--out", str(out)]  # fmt: skip
+           "--cases", "agree", "torch-lean", "megatron-lean", "offload", "--timeout", "240", "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     assert [r for r in rows if "error" in r] == []
@@ -26,3 +28,8 @@ def test_bench_gpu_runs_on_cpu(tmp_path):
     (step,) = [r for r in rows if r["case"] == "torch-lean"]
     assert step["finite"] and step["tokens"] == 4 * 24 and step["loss_last"] < step["loss_first"]
     assert "| torch-lean |" in out.read_text()
+    (meg,) = [
+        r for r in rows if r["case"] == "megatron-lean"
+    ]  # the same model, batch and loss (fp32 vs bf16)
+    assert meg["finite"] and meg["loss_first"] == pytest.approx(step["loss_first"], rel=2e-2)
+    assert {r["engine"] for r in rows if r["case"] == "offload"} == {"torch-lean", "megatron-lean"}

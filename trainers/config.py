@@ -166,8 +166,12 @@ class TrainConfig:
     micro-batches of ``micro_batch_size`` sequences, one optimizer step per
     ``mini_batch_size`` sequences (``0``: the whole batch)."""
 
-    engine: str = "torch"  # "torch" (plain PyTorch), "deepspeed" or "fsdp2" (torch fully_shard)
+    engine: str = "torch"  # "torch" (plain PyTorch), "deepspeed", "fsdp2" (torch fully_shard) or "megatron"
     zero_stage: int = 2  # DeepSpeed ZeRO stage (0-3)
+    # train.engine=megatron (Megatron-Core; docs/megatron.md): tensor- and pipeline-parallel sizes;
+    # the rest of the train ranks (placement.train_workers with ray.enabled) are data parallel
+    megatron_tp: int = 1
+    megatron_pp: int = 1
     steps: int = 20
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -930,7 +934,7 @@ def help_text(cfg: Config | None = None) -> str:
 # --------------------------------------------------------------------------- validation
 
 ROLLOUT_ENGINES = ("hf", "vllm", "server")
-TRAIN_ENGINES = ("torch", "deepspeed", "fsdp2")
+TRAIN_ENGINES = ("torch", "deepspeed", "fsdp2", "megatron")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 AGENTIC_MODES = ("lockstep", "async")
 
@@ -1038,6 +1042,47 @@ def _check_master_weights(cfg: Any) -> None:
         )
 
 
+def _check_megatron(cfg: Any) -> None:
+    """``train.megatron_tp`` / ``megatron_pp`` and what the Megatron engine does not do."""
+    t = cfg.train
+    _check_numbers(
+        [("train.megatron_tp", t.megatron_tp, "int>=1"), ("train.megatron_pp", t.megatron_pp, "int>=1")]
+    )
+    n = t.megatron_tp * t.megatron_pp
+    critic = getattr(cfg, "critic", None)
+    if critic is not None and getattr(cfg.algorithm, "advantage", "") in CRITIC_ADVANTAGES:
+        if (critic.engine or t.engine) == "megatron":
+            raise ValueError(
+                "critic.engine: the Megatron engine trains the policy; set critic.engine=torch (or deepspeed)"
+            )
+    if t.engine != "megatron":
+        if n > 1:
+            raise ValueError(
+                f"train.megatron_tp / megatron_pp: apply to train.engine=megatron, got {t.engine!r}"
+            )
+        return
+    ray, workers = getattr(cfg, "ray", None), getattr(getattr(cfg, "placement", None), "train_workers", 1)
+    if n > 1 and not (ray is not None and ray.enabled and workers % n == 0):
+        raise ValueError(
+            f"train.megatron_tp x megatron_pp = {n} ranks: needs ray.enabled=true and placement.train_workers "
+            f"a multiple of {n} (got {workers}; in one process the world is one rank)"
+        )
+    refused = [("train.lora_rank", t.lora_rank), ("train.packing", t.packing), ("train.compile", t.compile),
+               ("train.fsdp2_cpu_offload", t.fsdp2_cpu_offload)]  # fmt: skip
+    for name, value in refused:
+        if value:
+            raise ValueError(f"{name}: not supported by train.engine=megatron (use train.engine=torch)")
+    if cfg.model.path in TINY_VLM_NAMES:
+        raise ValueError(
+            f"model.path={cfg.model.path}: train.engine=megatron maps Llama / Qwen2 text models only"
+        )
+    if t.autocast in ("bfloat16", "float16") and not t.device.startswith("cuda"):
+        raise ValueError(
+            f"train.autocast={t.autocast}: Megatron-Core's linear layers autocast on CUDA only; on "
+            f"train.device={t.device} use train.autocast=off or auto, or model.dtype=bfloat16"
+        )
+
+
 def _check_common(cfg: Any) -> None:
     """Checks of the sections both trainers share (model, train, algorithm, dtypes, sampling)."""
     t, r, a = cfg.train, cfg.rollout, cfg.algorithm
@@ -1094,7 +1139,8 @@ def _check_common(cfg: Any) -> None:
             "with train.engine=deepspeed use train.zero_stage <= 2 (or logprob_chunk_tokens=0)"
         )
     _check_master_weights(cfg)
-    if t.autocast in ("bfloat16", "float16") and t.engine != "torch":
+    _check_megatron(cfg)
+    if t.autocast in ("bfloat16", "float16") and t.engine not in ("torch", "megatron"):
         raise ValueError(
             f"train.autocast={t.autocast} applies to the torch engine; with "
             f"train.engine={t.engine} set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"

@@ -270,6 +270,10 @@ def test_tp2_pp2_dp2_over_gloo_equal_one_rank(megatron_world, tmp_path):
             ["train.engine=megatron", "train.packing=true"],
             r"train\.packing: not supported by train\.engine=megatron",
         ),
+        (
+            ["train.engine=megatron", "train.autocast=bfloat16"],
+            r"train\.autocast=bfloat16: Megatron-Core's linear",
+        ),
         (["train.engine=megatron", "--model", "tiny_vl"], r"model\.path=tiny_vl: train\.engine=megatron"),
         (
             ["train.engine=megatron", "algorithm.advantage=gae"],

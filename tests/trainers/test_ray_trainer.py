@@ -518,3 +518,52 @@ def test_a_vision_language_policy_on_ray(cluster, tmp_path):
         for name, w in tr.train.weights():
             assert torch.equal(state[name].float(), w.float()), name
     assert _no_leaks()
+
+
+@pytest.mark.slow
+def test_megatron_tensor_parallel_on_ray_equals_one_rank(cluster, tok, warm_model, tmp_path):
+    """train.engine=megatron with megatron_tp=2 over two Ray train ranks (gloo): the update of a
+    fixed batch gives the weights of the torch engine's update in this process (float32), and a
+    step of the loop runs (weight sync from the gathered shards)."""
+    pytest.importorskip("megatron.core")
+    cfg = load_config(
+        [
+            *BASE,
+            f"logging.dir={tmp_path}",
+            "train.engine=megatron",
+            "train.megatron_tp=2",
+            "placement.train_workers=2",
+            "placement.cpus_per_worker=0.5",
+            "rollout.prompts_per_step=3",
+            "rollout.n=4",
+            "train.lr=1e-3",
+            "train.micro_batch_size=2",
+        ]
+    )
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+        w0 = dict(tr.train.weights())
+        gens = tr.rollout.generate(
+            [tr.codec.encode(p) for p in tr.train_prompts[:5]], SamplingParams(n=1, seed=3)
+        )
+        batch = pack_generations(gens, tok.pad_token_id)
+        adv = torch.linspace(-1, 1, 5)[:, None] * batch.response_mask
+        m2 = tr.train.update(batch, adv, None, seed=5)
+        local = copy.deepcopy(warm_model)
+        local.load_state_dict(w0, strict=False)
+        eng = TorchTrainEngine(local, lr=1e-3, grad_clip=cfg.train.grad_clip)
+        m1 = LocalLearner(eng, UpdateSpec.from_config(cfg)).update(batch, adv, None, seed=5)
+        w1, w2 = dict(eng.export_weights()), dict(tr.train.weights())
+        assert list(w1) == list(w2)
+        tol = (
+            cfg.train.lr
+            * batch.response_mask.shape[0]
+            * torch.finfo(torch.float32).eps
+            * cfg.train.grad_clip
+            / 1e-8
+        )
+        assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < tol
+        assert max(float((w1[k] - w0[k]).abs().max()) for k in w1) > 1e-4
+        assert m2["optim/grad_norm"] == pytest.approx(m1["optim/grad_norm"], rel=1e-5)
+        m = tr.step()
+        assert m["rollout/kept_groups"] >= 0 and tr.rollout.policy_version == 1
+    assert _no_leaks()

@@ -32,6 +32,7 @@ from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
 from trainers.engines.fsdp2_train import FSDP2TrainEngine
 from trainers.engines.hf_rollout import HFRolloutEngine
 from trainers.engines.lora import adapter_config, apply_lora
+from trainers.engines.megatron_train import MegatronTrainEngine
 from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.engines.vllm_rollout import VLLMRolloutEngine
@@ -114,13 +115,15 @@ def train_autocast(cfg: Any, device: str) -> torch.dtype | None:
     if a == "off":
         return None
     if a == "auto":
-        ok = cfg.train.engine == "torch" and cfg.model.dtype == "float32" and fast_bf16(device)
+        engine = cfg.train.engine
+        ok = (engine == "torch" or (engine == "megatron" and device.startswith("cuda")))
+        ok = ok and cfg.model.dtype == "float32" and fast_bf16(device)
         return torch.bfloat16 if ok else None
     if a not in ("bfloat16", "float16"):
         raise ValueError(f"train.autocast must be off, auto, bfloat16 or float16, got {a!r}")
-    if cfg.train.engine != "torch":
+    if cfg.train.engine not in ("torch", "megatron"):
         raise ValueError(
-            f"train.autocast={a} applies to the torch engine; with train.engine={cfg.train.engine} "
+            f"train.autocast={a} applies to the torch and megatron engines; with train.engine={cfg.train.engine} "
             "set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"
         )
     return DTYPES[a]
@@ -288,7 +291,7 @@ def make_server_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> 
 
 def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy") -> TrainEngine:
     """The ``train.engine`` engine over ``model`` (``torch``, ``deepspeed`` with
-    ``train.zero_stage``, or ``fsdp2``), with the config's optimizer settings and LR schedule.
+    ``train.zero_stage``, ``fsdp2``, or ``megatron`` with ``train.megatron_tp`` / ``megatron_pp``), with the config's optimizer settings and LR schedule.
     ``task="value"``: ``model`` is a critic (:func:`trainers.critic.value_model`); with LoRA its
     value head trains in full beside the adapters."""
     t, dtype, lam = cfg.train, parse_dtype(cfg.model.dtype), lr_lambda(cfg)
@@ -332,6 +335,16 @@ def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy"
         train_autocast(cfg, device)  # rejects an explicit autocast (FSDP2 has mixed_precision)
         return FSDP2TrainEngine(
             model, gradient_checkpointing=ckpt, cpu_offload=bool(t.fsdp2_cpu_offload), **kw
+        )
+    if t.engine == "megatron":
+        return MegatronTrainEngine(
+            model,
+            tp=t.megatron_tp,
+            pp=t.megatron_pp,
+            autocast=train_autocast(cfg, device),
+            gradient_checkpointing=bool(t.gradient_checkpointing),
+            seed=cfg.seed,
+            **{k: v for k, v in kw.items() if k not in ("packing", "compile_backend")},
         )
     raise ValueError(f"train.engine must be one of {TRAIN_ENGINES}, got {t.engine!r}")
 

@@ -194,7 +194,8 @@ class MegatronTrainEngine(Offloadable):
             :class:`~trainers.engines.torch_train.TorchTrainEngine` (AdamW over this rank's shard).
         gradient_checkpointing: Megatron's full activation recomputation, one layer at a time.
         autocast: ``torch.bfloat16`` / ``torch.float16`` matmuls under ``torch.autocast`` with
-            ``dtype`` parameters (None: none).
+            ``dtype`` parameters (None: none). CUDA only: Megatron's linear layers declare their
+            autocast for CUDA, and on a CPU their backward would mix dtypes (refused by name).
         logprob_chunk_tokens: ``> 0``: the memory-lean head (no ``[B, T, V]`` logits).
         seed: the model-parallel RNG state (dropout, recomputation).
 
@@ -227,6 +228,11 @@ class MegatronTrainEngine(Offloadable):
         seed: int = 0,
     ) -> None:
         self.device, self.dtype, self.autocast = torch.device(device), dtype, autocast
+        if autocast is not None and self.device.type != "cuda":
+            raise ValueError(
+                "train.autocast: Megatron-Core's linear layers autocast on CUDA only (their backward "
+                "mixes dtypes on a CPU); on a CPU use train.autocast=off, or model.dtype=bfloat16"
+            )
         self.lay = layout_of(model.config, tp, pp)
         self._hf_config = model.config
         self._hf_shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
