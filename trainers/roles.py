@@ -11,7 +11,6 @@ talk only to these; ``Roles.close()`` stops what was started here. docs/distribu
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from trainers.config import Config, critic_needed
 from trainers.critic import build_critic
 from trainers.data import Prompt
-from trainers.engines.build import build_engines
+from trainers.engines.build import build_engines, frozen_reference, parse_dtype
 from trainers.engines.server_rollout import ServerRolloutEngine
 from trainers.learner import Learner, learner_for
 from trainers.ray import build_ray_roles
@@ -174,15 +173,14 @@ def close_all(steps: list[Any]) -> None:
 
 
 def _reference(cfg: Config, train: Any, given: Any) -> Any:
-    """The frozen initial policy (``algorithm.kl.coef > 0``): ``given``, or a frozen deep copy of
-    the in-process train engine's model behind the same ``logprobs``."""
+    """The frozen initial policy (``algorithm.kl.coef > 0``): ``given``, or a frozen copy of the
+    in-process train engine's weights (:func:`~trainers.engines.build.frozen_reference`: also for
+    DeepSpeed, FSDP2 and Megatron engines, whose own forward runs on the live weights)."""
     if cfg.algorithm.kl.coef <= 0:
         return None
     if given is not None:
         return given
-    ref = copy.copy(train)
-    ref.model = copy.deepcopy(train.model).eval().requires_grad_(False)
-    return ref
+    return frozen_reference(train, dtype=parse_dtype(cfg.model.dtype), packing=bool(cfg.train.packing))
 
 
 def _critic(cfg: Config, model: Any, given: Any, ray_critic: Any) -> Any:

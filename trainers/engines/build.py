@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from trainers.config import ROLLOUT_ENGINES, TRAIN_ENGINES, server_addresses
+from trainers.deps import require
 from trainers.engines.base import RolloutEngine, TrainEngine
 from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
 from trainers.engines.fsdp2_train import FSDP2TrainEngine
@@ -57,6 +58,7 @@ __all__ = [
     "build_model",
     "dtype_name",
     "fast_bf16",
+    "frozen_reference",
     "lr_lambda",
     "make_rollout_engine",
     "make_server_engine",
@@ -116,7 +118,7 @@ def train_autocast(cfg: Any, device: str) -> torch.dtype | None:
         return None
     if a == "auto":
         engine = cfg.train.engine
-        ok = (engine == "torch" or (engine == "megatron" and device.startswith("cuda")))
+        ok = engine == "torch" or (engine == "megatron" and device.startswith("cuda"))
         ok = ok and cfg.model.dtype == "float32" and fast_bf16(device)
         return torch.bfloat16 if ok else None
     if a not in ("bfloat16", "float16"):
@@ -360,3 +362,52 @@ def build_engines(
         raise ValueError("tokenizer: required with model")
     rollout = make_rollout_engine(cfg, copy.deepcopy(model), tokenizer, device=cfg.train.device)
     return rollout, make_train_engine(cfg, model, device=cfg.train.device), tokenizer
+
+
+def _hf_class(engine: Any) -> Any:
+    """The transformers class of a training engine's model (through FSDP2's wrapper class and a
+    peft model's base); ``AutoModelForCausalLM`` for an engine without one (Megatron)."""
+    model = getattr(engine, "model", None)
+    base = getattr(model, "get_base_model", None)
+    model = base() if callable(base) else model
+    for cls in type(model).__mro__ if model is not None else ():
+        if cls.__module__.startswith("transformers.") and hasattr(cls, "from_pretrained"):
+            return cls
+    return require("transformers").AutoModelForCausalLM
+
+
+def frozen_reference(engine: Any, *, dtype: torch.dtype | None = None, packing: bool = False) -> Any:
+    """A frozen copy of an in-process training engine's *current* weights behind the
+    ``logprobs`` of :class:`TorchTrainEngine` (the KL reference, DPO's reference).
+
+    A torch engine: a shallow copy with a deep copy of its model (eval, no gradients; its autocast
+    and lean head kept). Any other engine (DeepSpeed, FSDP2, Megatron: their forward runs on the
+    live, possibly sharded weights) is exported (``export_weights``: whole tensors under Hugging
+    Face names; a LoRA policy's merged weights) into a fresh Hugging Face model of the same config
+    behind a :class:`TorchTrainEngine` with ``dtype`` weights (``None``: the exported dtype)."""
+    if type(engine) is TorchTrainEngine:
+        ref = copy.copy(engine)
+        ref.model = copy.deepcopy(engine.model).eval().requires_grad_(False)
+        return ref
+    if not hasattr(engine, "export_weights"):
+        raise ValueError(
+            f"reference: cannot copy {type(engine).__name__} (no export_weights); pass a reference engine"
+        )
+    config = getattr(engine, "_hf_config", None) or engine.model.config
+    cls = _hf_class(engine)
+    hf = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    weights = dict(engine.export_weights())
+    dtype = dtype or next(iter(weights.values())).dtype
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    tied = (
+        {k for k in missing if k.endswith("lm_head.weight")}
+        if getattr(config, "tie_word_embeddings", False)
+        else set()
+    )
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"reference: {type(engine).__name__}'s exported weights do not fit {cls.__name__}: "
+                         f"missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]}")  # fmt: skip
+    device = getattr(engine, "device", "cpu")
+    ref = TorchTrainEngine(hf, dtype=dtype, device=device, packing=packing)
+    ref.model.eval().requires_grad_(False)
+    return ref

@@ -20,7 +20,6 @@ model is what :class:`~trainers.rewards.RewardModelVerifier` loads
 
 from __future__ import annotations
 
-import copy
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from trainers.data import Prompt, PromptIterator, encode_prompt
 from trainers.data_pairs import Example, Pair, load_examples, load_pairs
 from trainers.deps import require
 from trainers.engines.base import PackedBatch, TrainEngine, pack
-from trainers.engines.build import build_model, make_train_engine, parse_dtype
+from trainers.engines.build import build_model, frozen_reference, make_train_engine, parse_dtype
 from trainers.loops.common import read_checkpoint, run_fit, write_checkpoint
 from trainers.rewards.reward_model import (
     encode_reward_input,
@@ -181,15 +180,10 @@ def load_offline_data(cfg: OfflineConfig) -> tuple[list[Any], list[Any]]:
 
 
 def frozen_copy(engine: TrainEngine) -> TrainEngine:
-    """A frozen reference behind the same ``logprobs``: a shallow copy of an in-process engine
-    with a deep copy of its model in eval mode, without gradients."""
-    if not hasattr(engine, "model"):
-        raise ValueError(
-            f"reference: cannot copy {type(engine).__name__} (no .model); pass a reference engine"
-        )
-    ref = copy.copy(engine)
-    ref.model = copy.deepcopy(engine.model).eval().requires_grad_(False)
-    return ref
+    """A frozen reference behind the same ``logprobs``
+    (:func:`trainers.engines.build.frozen_reference`: a torch engine's shallow copy with a deep
+    copy of its model; any other engine's exported weights in a fresh model)."""
+    return frozen_reference(engine)
 
 
 def preference_loss(
