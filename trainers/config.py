@@ -41,6 +41,7 @@ __all__ = [
     "AgenticConfig",
     "AgenticEvalConfig",
     "AgenticRolloutConfig",
+    "RolloutEngineConfig",
     "EnvConfig",
     "WarmupConfig",
     "validate",
@@ -116,7 +117,28 @@ class DataConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutEngineConfig:
+    """The rollout engine's settings for ``rollout.engine`` vllm and server, shared by the RLVR
+    (:class:`RolloutConfig`) and agentic (:class:`AgenticRolloutConfig`) configs."""
+
+    gpu_memory_utilization: float = 0.5  # vLLM on GPUs
+    # vLLM's tensor parallelism: each rollout engine (or local vllm serve) shards the model over
+    # this many devices (LLM(tensor_parallel_size=...), --tensor-parallel-size). hf: 1 only
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
+    # rollout.engine=server (docs/server.md): comma-separated http://host:port of running vllm
+    # servers; "" starts num_servers local ones (logs and weight files in server_dir, "" = a temp dir)
+    servers: str = ""
+    num_servers: int = 1
+    server_dir: str = ""
+    server_timeout_s: float = 30.0  # each control call (health, models, abort, weights)
+    server_request_timeout_s: float = 300.0  # the longest wait for a request's next token
+    server_startup_timeout_s: float = 600.0  # local servers: until all answer /health
+    server_kv_cache_gib: int = 1  # local servers on CPU: VLLM_CPU_KVCACHE_SPACE
+
+
+@dataclass
+class RolloutConfig(RolloutEngineConfig):
     """Sampling. ``prompts_per_step`` x ``n`` samples make the batch of one step."""
 
     engine: str = "hf"  # "hf" (transformers), "vllm" (in process) or "server" (vllm serve over HTTP)
@@ -136,20 +158,6 @@ class RolloutConfig:
     prompts_per_request: int = 1  # Ray: prompts per request sent to the least-loaded rollout actor
     # request-level hf engine (async, tail batching, length_dist): tokens a request advances per step
     chunk_tokens: int = 16
-    gpu_memory_utilization: float = 0.5  # vLLM on GPUs
-    # vLLM's tensor parallelism: each rollout engine (or local vllm serve) shards the model over
-    # this many devices (LLM(tensor_parallel_size=...), --tensor-parallel-size). hf: 1 only
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None  # vLLM: longest prompt + response (None: the model's)
-    # rollout.engine=server (docs/server.md): comma-separated http://host:port of running vllm
-    # servers; "" starts num_servers local ones (logs and weight files in server_dir, "" = a temp dir)
-    servers: str = ""
-    num_servers: int = 1
-    server_dir: str = ""
-    server_timeout_s: float = 30.0  # each control call (health, models, abort, weights)
-    server_request_timeout_s: float = 300.0  # the longest wait for a request's next token
-    server_startup_timeout_s: float = 600.0  # local servers: until all answer /health
-    server_kv_cache_gib: int = 1  # local servers on CPU: VLLM_CPU_KVCACHE_SPACE
     # with train.lora_rank > 0: what the rollout engine receives after each update: "merged"
     # (the full weights W + scale * B A, any engine) or "adapter" (only the LoRA tensors, served
     # by vLLM's LoRA support as a new adapter per version; rollout.engine=vllm)
@@ -572,12 +580,12 @@ class EnvConfig:
 
 
 @dataclass
-class AgenticRolloutConfig:
+class AgenticRolloutConfig(RolloutEngineConfig):
     """Sampling and scheduling. A step trains ``groups_per_step x group_size`` trajectories;
     ``async`` launches ``num_env_groups`` task groups (``0``: ``groups_per_step``) of
     ``group_size + redundancy`` episodes and keeps the first finishers."""
 
-    engine: str = "hf"
+    engine: str = "hf"  # "hf" (transformers), "vllm" (in process) or "server" (vllm serve over HTTP)
     mode: str = "async"  # "lockstep" or "async"
     groups_per_step: int = 4
     group_size: int = 4
@@ -1655,7 +1663,7 @@ def server_addresses(spec: str) -> list[str]:
     return out
 
 
-def _check_servers(r: RolloutConfig) -> None:
+def _check_servers(r: RolloutEngineConfig) -> None:
     """The ``rollout.engine=server`` fields (checked whatever the engine, as they are cheap)."""
     server_addresses(r.servers)
     _check_numbers(
@@ -1729,6 +1737,19 @@ def validate_async(cfg: Config) -> None:
         )
 
 
+def _check_agentic_engine(r: AgenticRolloutConfig) -> None:
+    """``rollout.engine`` of the agentic trainer and its vLLM / server fields."""
+    if r.engine not in ROLLOUT_ENGINES:
+        raise ValueError(f"rollout.engine must be one of {', '.join(ROLLOUT_ENGINES)}, got {r.engine!r}")
+    _check_servers(r)
+    _check_numbers([("rollout.tensor_parallel_size", r.tensor_parallel_size, "int>=1"),
+                    ("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "(0,1]")])  # fmt: skip
+    if r.max_model_len is not None:
+        _check_numbers([("rollout.max_model_len", r.max_model_len, "int>=1")])
+    if r.tensor_parallel_size > 1 and r.engine == "hf":
+        raise ValueError("rollout.tensor_parallel_size: the transformers engine (rollout.engine=hf) runs on one device")
+
+
 def validate_agentic(cfg: AgenticConfig) -> None:
     """Check an :class:`AgenticConfig`; a bad value raises ``ValueError`` naming its field."""
     r, a = cfg.rollout, cfg.algorithm
@@ -1767,15 +1788,11 @@ def validate_agentic(cfg: AgenticConfig) -> None:
     _check_engine_temperature(r.engine_temperature)
     if cfg.env.chat_template not in ("auto", "on", "off"):
         raise ValueError(f"env.chat_template: expected auto, on or off, got {cfg.env.chat_template!r}")
-    if a.kl.coef:
-        raise ValueError("algorithm.kl.coef: the agentic trainer has no reference policy; set it to 0")
+    if a.kl.target:
+        raise ValueError("algorithm.kl.target: the adaptive KL controller is wired in the RLVR trainers only; set it to 0")
     for name, get, off in RLVR_ONLY_ALGORITHM:
         if get(a) != off:
             raise ValueError(f"{name}: wired in the RLVR trainers only, not the agentic one; set it to {off}")
-    if r.engine != "hf":
-        raise ValueError(
-            f"rollout.engine={r.engine!r}: the agentic trainer builds the embedded hf engine; pass other "
-            "engines to AgenticTrainer(rollout_engine=, train_engine=)"
-        )
+    _check_agentic_engine(r)
     _check_common(cfg)
     _check_critic(cfg)

@@ -61,7 +61,10 @@ def test_config_loads_overrides_and_rejects_bad_values():
         (["rollout.num_env_groups=2", "rollout.groups_per_step=4"], "num_env_groups"),
         (["algorithm.advantage=nope"], "algorithm.advantage"),
         (["algorithm.policy_loss=nope"], "algorithm.policy_loss"),
-        (["algorithm.kl.coef=0.1"], "kl.coef"),
+        (["algorithm.kl.coef=0.1", "algorithm.kl.mode=reward", "algorithm.kl.target=0.1"], "kl.target"),
+        (["rollout.engine=sglang"], "rollout.engine"),
+        (["rollout.servers=localhost"], "rollout.servers"),
+        (["rollout.tensor_parallel_size=2"], "tensor_parallel_size"),
         (["rollout.temperature=0"], "temperature"),
         (["rollout.engine_temperature=-1"], "engine_temperature"),
         (["rollout.group_size=0"], "group_size"),
@@ -291,3 +294,56 @@ def _resume_equals_uninterrupted(tmp_path, common):
     assert all(last(full)[k] == last(res)[k] for k in keys), [(k, last(full)[k], last(res)[k]) for k in keys]
     diff = max(float((w_full[k] - w_res[k]).abs().max()) for k in w_full)
     assert diff == 0, diff
+
+
+# ----------------------------------------------------------------------------- KL reference
+
+
+@pytest.mark.parametrize("mode", ["loss", "reward"])
+def test_kl_to_a_frozen_reference(tmp_path, mode):
+    """algorithm.kl.coef > 0: the reference is the policy as RL starts (frozen), its KL is 0 on the
+    first step's on-policy samples and positive once the policy moved; kl.mode=reward takes each
+    turn's KL off that turn's reward, kl.mode=loss adds the KL term to the update."""
+    # the entropy bonus moves the policy even when every episode of the random tiny model fails
+    cfg = tiny_cfg(tmp_path, "rollout.mode=lockstep", "train.lr=3e-2", "algorithm.kl.coef=0.5",
+                   f"algorithm.kl.mode={mode}", "algorithm.entropy_coef=1.0")  # fmt: skip
+    with AgenticTrainer(cfg) as tr:
+        first = tr.step()
+        ref = {k: v.detach().clone() for k, v in tr.reference.model.named_parameters()}
+        second = tr.step()
+        assert abs(first["kl/rollout"]) < 1e-5  # the rollout's log-probs are the reference's
+        assert second["kl/rollout"] > 1e-4  # the policy moved, the reference did not
+        assert all(torch.equal(ref[k], v) for k, v in tr.reference.model.named_parameters())
+        assert not all(torch.equal(ref[k], v) for k, v in tr.train.model.named_parameters())
+        if mode == "reward":
+            assert second["kl/reward_penalty_mean"] > 0
+        else:
+            assert "kl/reward_penalty_mean" not in second  # the KL goes to the update's loss instead
+        state = tr.state_dict()
+    # a resumed run gets the saved reference back, not the resumed policy
+    with AgenticTrainer(cfg) as again:
+        again.load_state_dict(state)
+        assert all(torch.equal(ref[k], v) for k, v in again.reference.model.named_parameters())
+
+
+def test_kl_reward_penalty_lands_on_each_turn(tmp_path):
+    """The per-turn KL penalty: each step's reward loses coef x the summed KL of that turn's tokens."""
+    from trainers.engines.base import PackedBatch
+
+    cfg = tiny_cfg(tmp_path, "rollout.mode=lockstep", "algorithm.kl.coef=2.0", "algorithm.kl.mode=reward")
+    with AgenticTrainer(cfg) as tr:
+        tr._ensure_reference()
+        batch = tr.collect().to_batch(max_context=cfg.env.max_context, pad_token_id=tr.pad_id)
+        L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
+        packed = PackedBatch(batch.input_ids, batch.attention_mask, batch.response_mask, L - T,
+                             old_logprobs=batch.behavior_logprobs - 0.1 * batch.response_mask)  # fmt: skip
+        before = batch.step_rewards.clone(), batch.rewards.clone()
+        metrics: dict[str, float] = {}
+        ref = tr._kl(batch, packed, metrics)
+        kl = torch.exp(ref - packed.old_logprobs) - (ref - packed.old_logprobs) - 1  # k3
+        pen = 2.0 * kl * batch.response_mask
+        for n in range(len(before[0])):
+            row, k = int(batch.traj_ids[n]), int(batch.step_index[n])
+            want = before[0][n] - pen[row][batch.step_ids[row] == k].sum()
+            assert float(batch.step_rewards[n]) == pytest.approx(float(want), abs=1e-5)
+        torch.testing.assert_close(batch.rewards, before[1] - pen.sum(-1), rtol=0, atol=1e-5)

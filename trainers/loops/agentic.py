@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from rollkit.advantages import anchor_state_index
-from rollkit.registry import ADVANTAGE_ESTIMATORS
+from rollkit.registry import ADVANTAGE_ESTIMATORS, REGULARIZERS
 from rollkit.trajectory import TrajectoryBatch
 from trainers.config import AgenticConfig, critic_needed, validate_agentic
 from trainers.critic import build_critic
 from trainers.deps import require
 from trainers.engines.base import PackedBatch, SamplingParams, batch_logprobs
-from trainers.engines.build import build_engines
+from trainers.engines.build import build_engines, frozen_reference
 from trainers.envs.base import extract_boxed
 from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
@@ -127,6 +127,10 @@ class AgenticTrainer:
         runner: an :class:`~trainers.envs.workers.EnvWorkers` to play in (default: a new one).
         critic: the critic (:class:`~trainers.critic.Critic`) of ``algorithm.advantage`` gae /
             asyppo; default: built from ``critic.*`` (``critic.model_path`` or ``model`` afresh).
+        reference: the frozen reference policy of ``algorithm.kl.coef > 0`` (anything with the
+            train engine's ``logprobs``); default: a frozen copy of the train engine's initial
+            weights when RL starts (after the supervised warm-up;
+            :func:`~trainers.engines.build.frozen_reference`), saved in checkpoints.
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class AgenticTrainer:
         tokenizer: Any = None,
         runner: Any = None,
         critic: Any = None,
+        reference: Any = None,
     ) -> None:
         validate_agentic(cfg)
         self.cfg = cfg
@@ -147,6 +152,7 @@ class AgenticTrainer:
         if tokenizer is None:
             raise ValueError("tokenizer: required when the engines are passed in")
         self.train, self.tok = train_engine, tokenizer
+        self.reference, self._own_reference = reference, False
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         e = cfg.env
         template = None if e.chat_template == "auto" else e.chat_template == "on"
@@ -239,6 +245,7 @@ class AgenticTrainer:
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
         cfg, t0 = self.cfg, time.perf_counter()
+        self._ensure_reference()
         result = self._next_batch()
         t_rollout = time.perf_counter() - t0
         metrics = episode_metrics(result, self.version)
@@ -253,6 +260,7 @@ class AgenticTrainer:
             old_logprobs=batch.behavior_logprobs,
         )
         t1 = time.perf_counter()
+        ref_lp = self._kl(batch, packed, metrics)
         critic_step = None
         if self.critic is None:
             adv, adv_metrics = trajectory_advantages(self.adv_entry, batch, cfg.algorithm.advantage_kwargs)
@@ -283,7 +291,9 @@ class AgenticTrainer:
         if critic_step is not None and self.version < cfg.critic.warmup_steps:
             metrics["critic/warmup"] = 1.0  # critic warm-up: the policy waits (its version still advances)
         else:
-            stats = ppo_update(self.train, packed, adv, self.spec, seed=cfg.seed * 7919 + self.version)
+            stats = ppo_update(
+                self.train, packed, adv, self.spec, ref_logprobs=ref_lp, seed=cfg.seed * 7919 + self.version
+            )
             metrics.update(stats.metrics())
         t_train = time.perf_counter() - t1
         # push the weights (between two generation batches if a collection is running)
@@ -300,6 +310,47 @@ class AgenticTrainer:
             }
         )
         return metrics
+
+    def _ensure_reference(self) -> None:
+        """The frozen copy of the policy as RL starts (``algorithm.kl.coef > 0``, none given)."""
+        if self.reference is None and self.cfg.algorithm.kl.coef > 0:
+            self.reference = frozen_reference(self.train, packing=bool(self.cfg.train.packing))
+            self._own_reference = True
+
+    def _kl(
+        self, batch: TrajectoryBatch, packed: PackedBatch, metrics: dict[str, float]
+    ) -> torch.Tensor | None:
+        """With a reference (``algorithm.kl.coef > 0``): its ``[B, T]`` log-probs of the action
+        tokens and ``kl/rollout`` (the token-mean KL estimate between the rollout's log-probs and
+        the reference's). ``kl.mode=reward``: ``coef x`` each turn's summed KL is taken off that
+        turn's reward (``step_rewards``) and off its trajectory's (``rewards``,
+        ``episode_returns``), before any estimator sees them; ``kl.mode=loss``: the returned
+        log-probs go to the update's KL term."""
+        if self.reference is None:
+            return None
+        a, r, mask = self.cfg.algorithm, self.cfg.rollout, packed.response_mask
+        ref = batch_logprobs(self.reference, packed, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                             micro_batch_size=self.cfg.train.micro_batch_size) * mask  # fmt: skip
+        kl = (
+            REGULARIZERS.entry("kl")
+            .call(
+                {"logprobs": packed.old_logprobs, "ref_logprobs": ref, "response_mask": mask},
+                estimator=a.kl.estimator,
+                coef=1.0,
+            )
+            .loss
+        )
+        metrics["kl/rollout"] = float(kl.sum() / mask.sum().clamp(min=1))
+        if a.kl.mode == "reward":
+            pen = a.kl.coef * kl * mask
+            n = int(batch.step_rewards.shape[0])
+            step = (batch.step_offsets.unsqueeze(1) + batch.step_ids.clamp(min=0)).clamp(max=max(n - 1, 0))
+            per_step = torch.zeros(n, dtype=pen.dtype).index_add_(0, step[mask], pen[mask])
+            batch.step_rewards = batch.step_rewards - per_step
+            batch.rewards = batch.rewards - pen.sum(-1)
+            batch.episode_returns = batch.episode_returns - pen.sum(-1)[batch.traj_ids]
+            metrics["kl/reward_penalty_mean"] = float(pen.sum(-1).mean())
+        return ref
 
     # ------------------------------------------------------------------ evaluation
 
@@ -387,6 +438,7 @@ class AgenticTrainer:
             "calls": self._calls,
             "server": self.rollout.server.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "reference": dict(self.reference.export_weights()) if self._own_reference else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -400,6 +452,10 @@ class AgenticTrainer:
         self.version, self._calls = int(state["version"]), int(state["calls"])
         self._seeds.setstate(state["seeds"])
         self.rollout.server.load_state_dict(state["server"])
+        if state.get("reference") is not None:  # the reference of the run that wrote the checkpoint
+            self.reference = None
+            self._ensure_reference()
+            self.reference.model.load_state_dict(state["reference"], strict=False)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
 
