@@ -1,4 +1,4 @@
-"""Losses: policy objectives (PPO family and off-policy), KL, entropy, value, and aggregation;
+"""Losses: policy objectives (PPO family, off-policy, IPA's chunk-level ratio), KL, entropy, value, and aggregation;
 distillation (:mod:`~rollkit.losses.distill`), preference (:mod:`~rollkit.losses.preference`)
 and SFT (:mod:`~rollkit.losses.sft`) objectives.
 
@@ -18,6 +18,8 @@ from rollkit.losses.distill import *  # noqa: F403
 from rollkit.losses.distill import __all__ as _distill_all
 from rollkit.losses.entropy import *  # noqa: F403
 from rollkit.losses.entropy import __all__ as _ent_all
+from rollkit.losses.ipa import *  # noqa: F403
+from rollkit.losses.ipa import __all__ as _ipa_all
 from rollkit.losses.kl import *  # noqa: F403
 from rollkit.losses.kl import __all__ as _kl_all
 from rollkit.losses.policy import *  # noqa: F403
@@ -31,6 +33,7 @@ from rollkit.losses.value import __all__ as _value_all
 
 __all__ = [
     *_policy_all,
+    *_ipa_all,
     *_kl_all,
     *_ent_all,
     *_value_all,
