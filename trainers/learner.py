@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from rollkit.correction import correction_weights, mismatch_stats, reduce_mismatch_stats
+from rollkit.keys import STEP_IDS
 from rollkit.losses import aggregate, global_normalizers
 from rollkit.packing import pack_bins
 from rollkit.registry import POLICY_LOSSES, REGULARIZERS, Entry
@@ -190,6 +191,7 @@ def _micro_batch_loss(
         "behavior_logprobs": mb.old_logprobs if mb.behavior_logprobs is None else mb.behavior_logprobs,
         "advantages": advantages,
         "response_mask": mask,
+        STEP_IDS: mb.step_ids,  # the turn of each token (IPA's chunks); None: not passed
     }
     out = loss_entry.call(avail, **spec.policy_loss_kwargs)
     pg = out.loss if mb.is_weights is None else out.loss * mb.is_weights

@@ -233,6 +233,10 @@ class PackedBatch:
     keep: Tensor | None = None  # [B, T] bool: tokens the correction kept in the loss; None: all
     # [B, T] bool: tokens that get the entropy bonus (AsyPPO's filter, rollkit.critics); None: all
     entropy_keep: Tensor | None = None
+    # [B, T] long: the turn (interaction chunk) of each response token, -1 off it (the agentic
+    # loop's TrajectoryBatch.step_ids); the learner passes it to losses that read "step_ids"
+    # (IPA's chunk-level ratio). None: a single-turn batch.
+    step_ids: Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     # per row: the prompt's image inputs (trainers.vision; None: no image); None: a text batch
     images: list[dict[str, Tensor] | None] | None = None
@@ -254,6 +258,7 @@ class PackedBatch:
             is_weights=None if self.is_weights is None else self.is_weights[rows],
             keep=None if self.keep is None else self.keep[rows],
             entropy_keep=None if self.entropy_keep is None else self.entropy_keep[rows],
+            step_ids=None if self.step_ids is None else self.step_ids[rows],
             images=None if self.images is None else _select(self.images, rows),
         )
 
