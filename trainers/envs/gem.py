@@ -8,7 +8,15 @@ relies on:
   (the board) is appended to every observation; ``info`` is passed on unchanged;
 * :meth:`GemEnv.state_key`: for the games of :data:`STATE_ATTRIBUTES` a frozen copy of those
   attributes, otherwise the latest observation text; ``state_fn(gem_env) -> hashable`` chooses;
-* GEM's rewards and flags, unchanged.
+* GEM's rewards and flags, unchanged;
+* GEM's tool use: ``tools=["python"]`` wraps the game in GEM's own
+  ``gem.tools.tool_env_wrapper.ToolEnvWrapper`` with :class:`SandboxedPythonCodeTool`, GEM's
+  ``PythonCodeTool`` (its parsing of ``<python>`` / ````` ```python ````` blocks, its instruction
+  and its ``"Code execution result: ..."`` observation) whose code runs in rollkit's sandbox
+  (:func:`trainers.rewards.sandbox.run_python`) instead of GEM's ``sandbox_type="none"``
+  subprocess; e.g. ``make_env("gem:rg:products", tools=["python"])``. GEM's other tools
+  (``SearchTool``, ``MCPTool``) call servers over the network (a retrieval server, an MCP server)
+  and are refused by name.
 
 ``make_env("gem:<id>")`` builds one (ids such as ``"game:Sokoban-v0-easy"``; :func:`gem_env_ids`
 lists them). GEM's ``reset(seed)`` seeds Python's and NumPy's global generators: run GEM
@@ -18,13 +26,18 @@ docs/agentic.md (GEM environments).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from trainers.deps import require
 from trainers.envs.base import Env, StepResult, check_action, check_seed
+from trainers.envs.tools import format_run
+from trainers.rewards.sandbox import check_options, run_python
 
-__all__ = ["STATE_ATTRIBUTES", "GemEnv", "gem_env_ids"]
+__all__ = ["GEM_TOOLS", "STATE_ATTRIBUTES", "GemEnv", "SandboxedPythonCodeTool", "gem_env_ids"]
+
+#: the GEM tools ``GemEnv(tools=...)`` takes
+GEM_TOOLS = ("python",)
 
 #: GEM game class name -> the attributes that make up its state (for :meth:`GemEnv.state_key`)
 STATE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
@@ -69,6 +82,56 @@ def gem_env_ids(prefix: str = "game:") -> list[str]:
     return sorted(k for k in _registry() if k.startswith(prefix))
 
 
+class SandboxedPythonCodeTool:
+    """GEM's ``PythonCodeTool`` with rollkit's sandbox as the executor (a GEM tool: what
+    ``ToolEnvWrapper`` calls, ``instruction_string()`` and ``execute_action(action)``).
+
+    GEM's own tool parses the action and writes the instruction; only the execution changes:
+    :func:`~trainers.rewards.sandbox.run_python` with ``timeout_s`` and the sandbox ``options``.
+    ``execute_action`` returns GEM's ``(is_valid, has_error, observation, parsed_action)``.
+    """
+
+    tool_type = "python_code"
+    name = "python"
+
+    def __init__(self, timeout_s: float = 5.0, keep_error_last_line: bool = False, **options: Any) -> None:
+        self.options = dict(options, timeout_s=float(timeout_s))
+        self.options.setdefault("memory_mb", 256)
+        check_options(**self.options)
+        self._gem = require("gem.tools.python_code_tool").PythonCodeTool(
+            timeout=timeout_s, keep_error_last_line=keep_error_last_line
+        )
+        self.keep_error_last_line = bool(keep_error_last_line)
+
+    def instruction_string(self) -> str:
+        return self._gem.instruction_string()
+
+    def execute_action(self, action: str) -> tuple[bool, bool, str, str]:
+        code, parsed_action, is_valid = self._gem._parse_action(action)
+        if not is_valid:
+            return False, True, "", parsed_action
+        r = run_python(code, **self.options)
+        stderr = r.stderr if r.status in ("ok", "error") else format_run(r, self.options["timeout_s"])[0]
+        if stderr and self.keep_error_last_line:
+            stderr = stderr.split("\n")[-1]
+        result = f"{r.stdout}\n{stderr}" if stderr else r.stdout
+        return True, not r.ok, "Code execution result: " + result.lstrip(" \n") + "\n", parsed_action
+
+
+def _gem_tools(tools: Any, options: dict[str, Any] | None) -> list[Any]:
+    if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
+        raise ValueError(f"tools: expected a list of tool names {list(GEM_TOOLS)}, got {tools!r}")
+    out = []
+    for t in tools:
+        if t != "python":
+            raise ValueError(
+                f"tools: {t!r} is not available; GEM's search and MCP tools call servers over the "
+                f"network (a retrieval / MCP server), which rollkit does not run; available: {list(GEM_TOOLS)}"
+            )
+        out.append(SandboxedPythonCodeTool(**(options or {})))
+    return out
+
+
 class GemEnv(Env):
     """A GEM environment (``gem.make(env_id, **kwargs)``) as a rollkit :class:`Env`.
 
@@ -77,6 +140,10 @@ class GemEnv(Env):
         append_suffix: append ``info["suffix"]`` (the board / the prompt for the next move)
             to every observation.
         state_fn: ``gem_env -> hashable`` for :meth:`state_key` (default: module docstring).
+        tools: GEM tools to wrap the environment with (``["python"]``: GEM's ``ToolEnvWrapper``
+            with :class:`SandboxedPythonCodeTool`); ``()``: none.
+        tool_options: :class:`SandboxedPythonCodeTool`'s options (``timeout_s``, sandbox ones).
+        max_tool_uses: ``ToolEnvWrapper``'s limit of tool calls per episode.
         **kwargs: passed to ``gem.make`` (they override the registered defaults).
     """
 
@@ -86,6 +153,9 @@ class GemEnv(Env):
         *,
         append_suffix: bool = True,
         state_fn: Callable[[Any], Hashable] | None = None,
+        tools: Sequence[str] = (),
+        tool_options: dict[str, Any] | None = None,
+        max_tool_uses: int = 10,
         **kwargs: Any,
     ) -> None:
         if not isinstance(env_id, str) or not env_id:
@@ -103,6 +173,9 @@ class GemEnv(Env):
             raise TypeError(f"state_fn: expected a callable or None, got {type(state_fn).__name__}")
         self.state_fn = state_fn
         self.env = gem.make(env_id, **kwargs)
+        if tools:
+            wrapper = require("gem.tools.tool_env_wrapper").ToolEnvWrapper
+            self.env = wrapper(self.env, _gem_tools(tools, tool_options), max_tool_uses=max_tool_uses)
         self.max_turns = getattr(self.env, "max_turns", None)
         self._last = ""
 

@@ -22,6 +22,7 @@ ENVS: dict[str, Callable[..., Env] | str] = {
     "frozenlake": "trainers.envs.frozenlake:FrozenLakeEnv",
     "sokoban": "trainers.envs.sokoban:SokobanEnv",
     "calculator": "trainers.envs.calculator:CalculatorEnv",
+    "python-tool": "trainers.envs.python_tool_env:PythonToolEnv",
 }
 
 #: the prefix of GEM ids in :func:`make_env` (``"gem:game:Sokoban-v0-easy"``)
