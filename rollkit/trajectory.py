@@ -40,6 +40,13 @@ in the prompt / response layout of ``trainers.engines.base.pack``::
 The rollout loop normally stops an episode before it outgrows the budget; the policy is the
 guarantee that nothing longer than ``max_context`` ever reaches the trainer.
 
+**One sample per turn** (:func:`build_turn_batch`): for long horizons each turn is its own
+training sample, its context the window the model saw when it wrote the action
+(:func:`context_window`: the initial prompt, then the most recent whole ``(action, observation)``
+pairs that fit the budget), so the horizon is no longer bounded by the context. The step
+tensors (rewards, trajectory ids, step indices, states, returns) are those of the trajectory
+layout, so step- and trajectory-level estimators give the same values in both layouts.
+
 Pure: token-id lists in, tensors out (no tokenizer; see ``trainers.envs.turns`` for the
 glue that turns text into turns).
 """
@@ -64,7 +71,9 @@ __all__ = [
     "Turn",
     "build_batch",
     "build_trajectory",
+    "build_turn_batch",
     "collate_trajectories",
+    "context_window",
 ]
 
 #: The max-context policies of :func:`build_trajectory`.
@@ -532,4 +541,89 @@ def build_batch(
         episode_index=index,
     )
     out.extras["dropped"] = len(episodes) - len(keep)
+    return out
+
+
+def context_window(
+    turns: Sequence[Turn | Mapping[str, Any]], next_obs: Sequence[int], budget: int | None = None
+) -> list[int] | None:
+    """The context the model reads before its next action, after the played ``turns`` and the
+    environment's reply ``next_obs``: the initial prompt (``turns[0].obs_ids``; ``next_obs`` itself
+    when ``turns`` is empty), then the most recent whole ``(action_j, observation_{j+1})`` pairs,
+    the last one (``turns[-1].action_ids + next_obs``) always, as many as fit in ``budget`` tokens:
+
+        pairs_j  = action_j + obs_{j+1}              (obs_K = next_obs, K = len(turns))
+        context  = obs_0 + pairs_m + ... + pairs_{K-1},  m the smallest index with len(context) <= budget
+
+    A cut falls only between pairs: an observation is never separated from the action it answers.
+    ``budget=None``: no cut (the whole history). ``None`` when not even the prompt and the last
+    pair fit (the episode must end: its context is full).
+
+    >>> t = [Turn([1, 2], [3]), Turn([4], [5, 6])]
+    >>> context_window(t, [7]), context_window(t, [7], budget=6), context_window(t, [7], budget=4)
+    ([1, 2, 3, 4, 5, 6, 7], [1, 2, 5, 6, 7], None)
+    """
+    turns = [_as_turn(k, t) for k, t in enumerate(turns)]
+    if not turns:
+        return list(next_obs)
+    prompt = list(turns[0].obs_ids)
+    obs = [list(t.obs_ids) for t in turns[1:]] + [list(next_obs)]
+    pairs = [list(t.action_ids) + o for t, o in zip(turns, obs)]
+    room = None if budget is None else budget - len(prompt)
+    kept: list[list[int]] = []
+    for pair in reversed(pairs):
+        if room is not None and len(pair) > room:
+            break
+        kept.append(pair)
+        room = None if room is None else room - len(pair)
+    if not kept:
+        return None
+    return prompt + [t for pair in reversed(kept) for t in pair]
+
+
+def build_turn_batch(
+    episodes: Sequence[Sequence[Turn | Mapping[str, Any]]],
+    group_ids: Tensor | Sequence[int],
+    *,
+    budget: int | None = None,
+    pad_token_id: int = 0,
+) -> TrajectoryBatch:
+    """One row per turn: row ``(e, k)`` is turn ``k`` of episode ``e``, its prompt the
+    :func:`context_window` the model read (``budget``: the rollout's window; ``None``: the whole
+    history) and its response the action alone (every response token is trained on).
+
+    Rows run episode by episode, turn by turn. The step tensors describe the same steps as
+    :func:`build_batch` (one step per row): ``step_rewards`` the turn's reward, ``traj_ids`` the
+    episode, ``step_index`` ``k``, ``step_group_ids`` / ``state_ids`` / ``episode_returns`` the
+    episode's; ``step_offsets = arange(B)`` and ``step_ids = 0`` on the response, so
+    :meth:`TrajectoryBatch.steps_to_tokens` spreads a step value over its row. Row tensors:
+    ``rewards`` / ``group_ids`` are the episode's (the row's trajectory), ``num_turns`` 1,
+    ``episode_index`` the episode. A turn whose window does not fit ``budget`` raises.
+
+    >>> eps = [[Turn([1, 2], [3], reward=0.0), Turn([4], [5], reward=1.0)], [Turn([6], [7])]]
+    >>> b = build_turn_batch(eps, group_ids=[0, 0])
+    >>> b.input_ids.tolist(), b.traj_ids.tolist(), b.step_index.tolist(), b.rewards.tolist()
+    ([[0, 0, 1, 2, 3], [1, 2, 3, 4, 5], [0, 0, 0, 6, 7]], [0, 0, 1], [0, 1, 0], [1.0, 1.0, 0.0])
+    """
+    group_ids = torch.as_tensor(group_ids)
+    check_group_ids("group_ids", group_ids, len(episodes))
+    trajs, meta = [], []
+    for e, ep in enumerate(episodes):
+        turns = [_as_turn(k, t) for k, t in enumerate(ep)]
+        if not turns:
+            raise ValueError(f"episodes[{e}]: an episode needs at least one turn")
+        ret = float(sum(t.reward for t in turns))
+        for k, t in enumerate(turns):
+            ctx = context_window(turns[:k], t.obs_ids, budget) if k else list(t.obs_ids)
+            if ctx is None or (budget is not None and len(ctx) > budget):
+                raise ValueError(f"episodes[{e}] turn {k}: its context does not fit budget={budget}")
+            trajs.append(build_trajectory([Turn(ctx, t.action_ids, t.logprobs, t.reward, t.state_id)]))
+            meta.append((e, k, ret))
+    rows = torch.tensor([m[0] for m in meta], dtype=torch.long)
+    out = collate_trajectories(trajs, group_ids[rows] if len(rows) else group_ids[:0], pad_token_id=pad_token_id,
+                               episode_index=rows)  # fmt: skip
+    returns = torch.tensor([m[2] for m in meta], dtype=torch.float32)
+    out.step_ids = torch.where(out.step_ids >= 0, torch.zeros_like(out.step_ids), out.step_ids)
+    out.traj_ids, out.rewards, out.episode_returns = rows, returns, returns.clone()
+    out.step_index = torch.tensor([m[1] for m in meta], dtype=torch.long)
     return out

@@ -587,6 +587,10 @@ class AgenticRolloutConfig(RolloutEngineConfig):
 
     engine: str = "hf"  # "hf" (transformers), "vllm" (in process) or "server" (vllm serve over HTTP)
     mode: str = "async"  # "lockstep" or "async"
+    # "trajectory": an episode is one sequence (its horizon ends at env.max_context); "turn": each
+    # turn is a sample of its own, its context the window of the last env.max_context - max_tokens
+    # tokens (the prompt + the most recent whole action/observation pairs): long horizons
+    sample_per: str = "trajectory"
     groups_per_step: int = 4
     group_size: int = 4
     num_env_groups: int = 0
@@ -1775,6 +1779,18 @@ def validate_agentic(cfg: AgenticConfig) -> None:
             raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
     if r.mode not in AGENTIC_MODES:
         raise ValueError(f"rollout.mode: expected one of {AGENTIC_MODES}, got {r.mode!r}")
+    if r.sample_per not in ("trajectory", "turn"):
+        raise ValueError(f"rollout.sample_per: expected trajectory or turn, got {r.sample_per!r}")
+    if r.sample_per == "turn" and r.max_tokens >= cfg.env.max_context:
+        raise ValueError(
+            f"rollout.sample_per=turn: rollout.max_tokens ({r.max_tokens}) must be below env.max_context "
+            f"({cfg.env.max_context}), which bounds each turn's context and action"
+        )
+    if r.sample_per == "turn" and critic_needed(cfg):
+        raise ValueError(
+            f"rollout.sample_per=turn: algorithm.advantage={a.advantage} bootstraps a critic along the whole "
+            "trajectory; use sample_per=trajectory, or a per-turn estimator (gigpo, discounted_return, starpo)"
+        )
     if r.num_env_groups and r.num_env_groups < r.groups_per_step:
         raise ValueError(
             f"rollout.num_env_groups: {r.num_env_groups} < rollout.groups_per_step {r.groups_per_step}"

@@ -56,6 +56,7 @@ from rollkit.ops import (
     _segment_std,
     _segment_sum,
     group_index,
+    group_normalize,
 )
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
@@ -73,6 +74,7 @@ from rollkit.validation import (
 
 __all__ = [
     "anchor_state_index",
+    "discounted_return_advantages",
     "discounted_step_returns",
     "gigpo_advantages",
     "starpo_advantages",
@@ -257,6 +259,40 @@ def discounted_step_returns(
     if n == 0:
         return step_rewards.clone()
     return _step_returns(step_rewards, _step_layout(traj_ids, step_index), gamma)
+
+
+def discounted_return_advantages(
+    step_rewards: Tensor,  # [N] float, immediate reward r_t of each step
+    traj_ids: Tensor,  # [N] int, episode of each step
+    step_index: Tensor,  # [N] int >= 0, turn of each step inside its episode
+    group_ids: Tensor,  # [N] int, task group of the step's episode
+    *,
+    gamma: float = 0.95,
+    norm: str = "std",
+    eps: float = 1e-6,
+) -> Tensor:  # [N] advantage of each step
+    """Per-step credit from discounted returns-to-go, normalised within each task group.
+
+        R_t = sum_{k >= t} gamma^(k - t) r_k                      (discounted_step_returns)
+        A_t = (R_t - mean_g R) / (std_g R + eps)    norm="std"    (g: the step's task group)
+        A_t =  R_t - mean_g R                       norm="none"
+
+    The step-level baseline of RAGEN / StarPO's per-turn variant and of GiGPO's step term
+    (Feng et al., 2025, arXiv:2505.10978, Eq. 5) without GiGPO's anchor-state grouping: every
+    step of a group's episodes is compared with every other, so a late step that sits close
+    to the reward gets more credit than an early one (``gamma < 1``). Used with one sample
+    per turn (``rollout.sample_per=turn`` of the agentic trainer), where each turn is a row.
+
+    >>> r = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    >>> traj, step, group = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 0, 0])
+    >>> discounted_return_advantages(r, traj, step, group, gamma=0.5, norm="none")
+    tensor([ 0.1250,  0.6250, -0.3750, -0.3750])
+    """
+    check_choice("norm", norm, _NORMS)
+    ret = discounted_step_returns(step_rewards, traj_ids, step_index, gamma=gamma)
+    check_group_ids("group_ids", group_ids, ret.shape[0])
+    index, n = group_index(group_ids)
+    return group_normalize(ret, index, n, scale=norm == "std", eps=eps)
 
 
 def gigpo_advantages(
@@ -508,6 +544,18 @@ ADVANTAGE_ESTIMATORS.register(
         "group_ids": GROUP_IDS,
         "state_ids": STATE_IDS,
         "episode_returns": EPISODE_RETURNS,  # optional: absent from the batch -> summed rewards
+    },
+    out_keys=(ADVANTAGES,),
+)
+ADVANTAGE_ESTIMATORS.register(
+    "discounted_return",
+    discounted_return_advantages,
+    aliases=["step-return"],
+    in_keys={
+        "step_rewards": STEP_REWARDS,
+        "traj_ids": TRAJ_IDS,
+        "step_index": STEP_INDEX,
+        "group_ids": GROUP_IDS,
     },
     out_keys=(ADVANTAGES,),
 )

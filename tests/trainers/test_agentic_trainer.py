@@ -347,3 +347,70 @@ def test_kl_reward_penalty_lands_on_each_turn(tmp_path):
             want = before[0][n] - pen[row][batch.step_ids[row] == k].sum()
             assert float(batch.step_rewards[n]) == pytest.approx(float(want), abs=1e-5)
         torch.testing.assert_close(batch.rewards, before[1] - pen.sum(-1), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- one sample per turn
+
+
+@pytest.mark.parametrize("advantage", ["starpo", "gigpo"])
+def test_per_turn_samples_give_the_trajectory_update(tmp_path, advantage):
+    """rollout.sample_per=turn on episodes that fit the context: every turn a row with its whole
+    history as the prompt, the same action tokens, log-probs and advantages (StarPO's per
+    trajectory, GiGPO's per step) as the one-sequence layout, so the token-mean update is the same
+    (gradient norm to 1e-5; AdamW's first step moves a weight by at most lr, so weights to 2 lr)."""
+    import copy
+
+    cfg = tiny_cfg(tmp_path, "rollout.mode=lockstep", "train.lr=1e-6", "algorithm.entropy_coef=0.1",
+                   f"algorithm.advantage={advantage}", "algorithm.aggregation=token-mean")  # fmt: skip
+    turn_cfg = copy.deepcopy(cfg)
+    turn_cfg.rollout.sample_per = "turn"
+    with AgenticTrainer(cfg) as a, AgenticTrainer(turn_cfg) as b:
+        result = a.collect()
+        assert sum(len(e.turns) for e in result.episodes) > len(result.episodes)  # multi-turn episodes
+        a._next_batch = b._next_batch = lambda: result
+        ma, mb = a.step(), b.step()
+        assert mb["train/trajectories"] == sum(len(e.turns) for e in result.episodes)
+        assert mb["optim/grad_norm"] == pytest.approx(ma["optim/grad_norm"], rel=1e-5)
+        assert mb["advantage/abs_mean"] == pytest.approx(ma["advantage/abs_mean"], rel=1e-5)
+        pa, pb = params_of(a), params_of(b)
+        assert max(float((pa[k] - pb[k]).abs().max()) for k in pa) <= 2e-6
+
+
+@pytest.mark.slow
+def test_per_turn_episodes_outlive_the_context(tmp_path):
+    """A horizon longer than the context: with one sample per turn the episodes play all their
+    turns in a window (each turn's row fits env.max_context), where the trajectory layout stops."""
+    # FrozenLake 2x2 here: a 350-token prompt, 131-token observations; 5 turns need 904 tokens
+    common = ["env.kwargs={size: 2, hole_prob: 0.0, max_turns: 5, end_on_format_error: false}", "env.max_turns=5",
+              "env.max_context=700", "rollout.mode=lockstep", "train.steps=1"]  # fmt: skip
+    with AgenticTrainer(tiny_cfg(tmp_path / "t", *common)) as tr:
+        traj = tr.collect()
+    with AgenticTrainer(tiny_cfg(tmp_path / "p", *common, "rollout.sample_per=turn")) as tr:
+        turns = tr.collect()
+        m = tr.step()
+        batch = tr._batch(turns)
+    assert max(len(e.turns) for e in traj.episodes) < 5 and all(e.context_full for e in traj.episodes)
+    assert max(len(e.turns) for e in turns.episodes) == 5 and not any(e.context_full for e in turns.episodes)
+    assert (
+        int(batch.attention_mask.sum(-1).max()) <= 700 and m["train/trajectories"] == batch.input_ids.shape[0]
+    )
+
+
+def test_ipa_by_name_gets_the_turns_as_chunks(tmp_path, monkeypatch):
+    """algorithm.policy_loss=ipa / advantage=ipa in the agentic config: the update sees each
+    token's turn as its chunk id (docs/ipa.md)."""
+    import trainers.loops.agentic as agentic
+
+    cfg = tiny_cfg(tmp_path, "algorithm.policy_loss=ipa", "algorithm.advantage=ipa",
+                   "algorithm.advantage_kwargs={gamma: 0.9}", "rollout.mode=lockstep")  # fmt: skip
+    seen, real = {}, agentic.ppo_update
+
+    def spy(engine, packed, adv, spec, **kw):  # records what the update received
+        seen["step_ids"] = packed.step_ids
+        return real(engine, packed, adv, spec, **kw)
+
+    monkeypatch.setattr(agentic, "ppo_update", spy)
+    with AgenticTrainer(cfg) as trainer:
+        m = trainer.step()
+    assert seen["step_ids"] is not None and int(seen["step_ids"].max()) >= 1  # more than one turn per row
+    assert "loss/chunk_ratio_mean" in m and m["loss/num_chunks"] > 4

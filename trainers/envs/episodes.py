@@ -25,7 +25,7 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rollkit.trajectory import TrajectoryBatch, Turn, build_batch
+from rollkit.trajectory import TrajectoryBatch, Turn, build_batch, build_turn_batch, context_window
 from trainers.engines.base import Generation, SamplingParams
 from trainers.engines.server import GenerationServer
 from trainers.envs.turns import TurnEncoder
@@ -112,6 +112,13 @@ class EpisodeBatch:
             max_context=max_context,
             policy=policy,
             pad_token_id=pad_token_id,
+        )
+
+    def to_turn_batch(self, *, budget: int | None = None, pad_token_id: int = 0) -> TrajectoryBatch:
+        """:func:`rollkit.trajectory.build_turn_batch` of the kept episodes: one row per turn, its
+        prompt the context window the model read (``budget``: the runner's ``context_window``)."""
+        return build_turn_batch(
+            [e.turns for e in self.episodes], self.group_ids, budget=budget, pad_token_id=pad_token_id
         )
 
 
@@ -243,6 +250,11 @@ class EpisodeRunner:
             with ``deadline_s``; pass shared ones to reuse their processes).
         deadline_s: per environment call (when the workers are built here).
         max_batch_size: the most requests per engine call in ``async`` mode.
+        context_window: one sample per turn (``rollout.sample_per=turn``): before each action the
+            context is the :func:`rollkit.trajectory.context_window` of this many tokens (the
+            prompt, then the most recent whole action + observation pairs that fit), so an
+            episode goes on past ``max_context`` (which then bounds each turn's context and
+            action). ``None``: the context is the whole episode.
 
     Environments run in the worker processes, one per concurrent episode, reused
     across calls; every worker builds ``StateIdEnv(env, env_kwargs)`` so the GiGPO state id of
@@ -262,6 +274,7 @@ class EpisodeRunner:
         deadline_s: float = 30.0,
         start_method: str = "forkserver",
         max_batch_size: int | None = None,
+        context_window: int | None = None,
     ) -> None:
         if not isinstance(encoder, TurnEncoder):
             raise TypeError(f"encoder: expected a TurnEncoder, got {type(encoder).__name__}")
@@ -278,6 +291,11 @@ class EpisodeRunner:
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.max_turns = max_turns
         self.max_context = max_context
+        if context_window is not None and (max_context is None or not 0 < context_window < max_context):
+            raise ValueError(
+                f"context_window: expected an int in (0, max_context={max_context}), got {context_window!r}"
+            )
+        self.context_window = context_window
         self._own_workers = workers is None
         self.workers = workers or EnvWorkers(deadline_s=deadline_s, start_method=start_method, max_threads=64)
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
@@ -372,6 +390,13 @@ class EpisodeRunner:
         with self._tok_lock:
             nxt = self.encoder.obs_ids(obs, g.token_ids)
         context += g.token_ids
+        if self.context_window is not None:  # one sample per turn: the rolling window
+            window = context_window(rec.turns, nxt, self.context_window)
+            if window is None:  # not even the prompt and the last exchange fit
+                rec.context_full, rec.status = True, "done"
+                return None
+            context[:] = window
+            return nxt, int(info.get("state_id", 0))
         if len(context) + len(nxt) >= self._limit():  # no room for another action
             rec.context_full, rec.status = True, "done"
             return None

@@ -63,12 +63,28 @@ def _check_env(cfg: AgenticConfig) -> None:
         raise ValueError(f"env.kwargs: {cfg.env.name} does not take {cfg.env.kwargs}: {e}") from None
 
 
+def _episode_view(batch: TrajectoryBatch) -> dict[str, torch.Tensor]:
+    """The per-episode inputs of a trajectory-level estimator from a one-row-per-turn batch
+    (:func:`rollkit.trajectory.build_turn_batch`: ``traj_ids`` is each row's episode)."""
+    ep, mask = batch.traj_ids, batch.response_mask
+    E = int(ep.max()) + 1 if ep.numel() else 0
+    rewards = torch.zeros(E, dtype=batch.rewards.dtype).scatter(0, ep, batch.rewards)
+    groups = torch.zeros(E, dtype=batch.group_ids.dtype).scatter(0, ep, batch.group_ids)
+    length = torch.zeros(E, dtype=torch.long).index_add(0, ep, mask.sum(-1))
+    width = int(length.max()) if E else 0
+    return {"rewards": rewards, "group_ids": groups, "response_length": length,
+            "response_mask": torch.arange(width)[None] < length[:, None]}  # fmt: skip
+
+
 def trajectory_advantages(
-    entry: Any, batch: TrajectoryBatch, kwargs: dict[str, Any]
+    entry: Any, batch: TrajectoryBatch, kwargs: dict[str, Any], *, per_turn: bool = False
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``[B, T]`` advantages on the action tokens (0 on environment tokens and padding) by the
     estimator ``entry``: step-level (GiGPO, one value per turn) when it reads ``step_rewards``,
-    else trajectory-level (StarPO, GRPO, RLOO, ...: one value per trajectory)."""
+    else trajectory-level (StarPO, GRPO, RLOO, ...: one value per trajectory). ``per_turn``: the
+    rows are turns (:func:`rollkit.trajectory.build_turn_batch`); a step value goes to its row,
+    a trajectory value to every row of its episode (the same values as in the trajectory
+    layout; an estimator with per-token values of the whole trajectory is refused)."""
     mask = batch.response_mask
     anchor, n_anchor = anchor_state_index(batch.step_group_ids, batch.state_ids)
     sizes = torch.bincount(anchor, minlength=n_anchor) if anchor.numel() else anchor
@@ -83,6 +99,15 @@ def trajectory_advantages(
             "episode_returns": batch.episode_returns,
         }
         adv = batch.steps_to_tokens(entry.call(steps, **kwargs))
+    elif per_turn:
+        out = entry.call(_episode_view(batch), **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        if out.dim() == 2 and out.shape[1] > 1 and not bool((out == out[:, :1]).all()):
+            raise ValueError(
+                f"rollout.sample_per=turn: algorithm.advantage={entry.name!r} gives per-token advantages of the "
+                "whole trajectory; use a per-trajectory or per-step estimator (starpo, grpo, gigpo, discounted_return)"
+            )
+        adv = out.reshape(out.shape[0], -1)[:, 0][batch.traj_ids][:, None] * mask
     else:
         rows = {
             "rewards": batch.rewards,
@@ -168,6 +193,9 @@ class AgenticTrainer:
             deadline_s=e.deadline_s,
             start_method=e.start_method,
             max_batch_size=cfg.rollout.max_batch_size,
+            context_window=e.max_context - cfg.rollout.max_tokens
+            if cfg.rollout.sample_per == "turn"
+            else None,
         )
         # the registry estimator; none with a critic (GAE over its values, CriticStep)
         self.adv_entry = None if critic_needed(cfg) else ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
@@ -250,7 +278,7 @@ class AgenticTrainer:
         t_rollout = time.perf_counter() - t0
         metrics = episode_metrics(result, self.version)
         # trajectories -> one packed batch (env tokens masked out of the response) -> advantages
-        batch = result.to_batch(max_context=cfg.env.max_context, pad_token_id=self.pad_id)
+        batch = self._batch(result)
         L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
         packed = PackedBatch(
             batch.input_ids,
@@ -258,12 +286,15 @@ class AgenticTrainer:
             batch.response_mask,
             L - T,
             old_logprobs=batch.behavior_logprobs,
+            step_ids=batch.step_ids,  # IPA's chunks: the turn of each token (algorithm.policy_loss=ipa)
         )
         t1 = time.perf_counter()
         ref_lp = self._kl(batch, packed, metrics)
         critic_step = None
         if self.critic is None:
-            adv, adv_metrics = trajectory_advantages(self.adv_entry, batch, cfg.algorithm.advantage_kwargs)
+            adv, adv_metrics = trajectory_advantages(
+                self.adv_entry, batch, cfg.algorithm.advantage_kwargs, per_turn=self.per_turn
+            )
         else:  # PPO / AsyPPO: each turn's reward at its end, GAE over the action tokens
             critic_step = CriticStep(cfg, self.critic, packed, batch.group_ids, self.version)
             adv_metrics = {}
@@ -311,6 +342,17 @@ class AgenticTrainer:
         )
         return metrics
 
+    @property
+    def per_turn(self) -> bool:
+        """One sample per turn (``rollout.sample_per=turn``)."""
+        return self.cfg.rollout.sample_per == "turn"
+
+    def _batch(self, result: EpisodeBatch) -> TrajectoryBatch:
+        """The training batch: one sequence per episode, or one row per turn (its window)."""
+        if self.per_turn:
+            return result.to_turn_batch(budget=self.rollout.context_window, pad_token_id=self.pad_id)
+        return result.to_batch(max_context=self.cfg.env.max_context, pad_token_id=self.pad_id)
+
     def _ensure_reference(self) -> None:
         """The frozen copy of the policy as RL starts (``algorithm.kl.coef > 0``, none given)."""
         if self.reference is None and self.cfg.algorithm.kl.coef > 0:
@@ -346,9 +388,12 @@ class AgenticTrainer:
             n = int(batch.step_rewards.shape[0])
             step = (batch.step_offsets.unsqueeze(1) + batch.step_ids.clamp(min=0)).clamp(max=max(n - 1, 0))
             per_step = torch.zeros(n, dtype=pen.dtype).index_add_(0, step[mask], pen[mask])
+            episodes = int(batch.traj_ids.max()) + 1 if n else 0  # rows (trajectory) or episodes (per turn)
+            per_episode = torch.zeros(episodes, dtype=pen.dtype).index_add_(0, batch.traj_ids, per_step)
+            row_episode = batch.traj_ids if self.per_turn else torch.arange(batch.rewards.shape[0])
             batch.step_rewards = batch.step_rewards - per_step
-            batch.rewards = batch.rewards - pen.sum(-1)
-            batch.episode_returns = batch.episode_returns - pen.sum(-1)[batch.traj_ids]
+            batch.rewards = batch.rewards - per_episode[row_episode]
+            batch.episode_returns = batch.episode_returns - per_episode[batch.traj_ids]
             metrics["kl/reward_penalty_mean"] = float(pen.sum(-1).mean())
         return ref
 
