@@ -135,6 +135,7 @@ class RolloutEngineConfig:
     server_request_timeout_s: float = 300.0  # the longest wait for a request's next token
     server_startup_timeout_s: float = 600.0  # local servers: until all answer /health
     server_kv_cache_gib: int = 1  # local servers on CPU: VLLM_CPU_KVCACHE_SPACE
+    prompts_per_request: int = 1  # Ray: prompts per request sent to the least-loaded rollout actor
 
 
 @dataclass
@@ -155,7 +156,6 @@ class RolloutConfig(RolloutEngineConfig):
     # W1 long-tail workload: per-request max_tokens ~ "lognormal:MEDIAN:SIGMA" capped at max_tokens,
     # generated with ignore_eos ("": every request may use max_tokens and stops at EOS)
     length_dist: str = ""
-    prompts_per_request: int = 1  # Ray: prompts per request sent to the least-loaded rollout actor
     # request-level hf engine (async, tail batching, length_dist): tokens a request advances per step
     chunk_tokens: int = 16
     # with train.lora_rank > 0: what the rollout engine receives after each update: "merged"
@@ -661,6 +661,10 @@ class AgenticConfig:
     eval: AgenticEvalConfig = field(default_factory=AgenticEvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=_agentic_logging)
+    # ray.enabled: the rollout, train and reference roles as Ray actors placed by `placement`, as in
+    # the RLVR trainers (the environments stay in this process's workers)
+    ray: RayConfig = field(default_factory=RayConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     seed: int = 0
 
 
@@ -1751,7 +1755,36 @@ def _check_agentic_engine(r: AgenticRolloutConfig) -> None:
     if r.max_model_len is not None:
         _check_numbers([("rollout.max_model_len", r.max_model_len, "int>=1")])
     if r.tensor_parallel_size > 1 and r.engine == "hf":
-        raise ValueError("rollout.tensor_parallel_size: the transformers engine (rollout.engine=hf) runs on one device")
+        raise ValueError(
+            "rollout.tensor_parallel_size: the transformers engine (rollout.engine=hf) runs on one device"
+        )
+
+
+def _check_agentic_ray(cfg: AgenticConfig) -> None:
+    """The ``ray`` / ``placement`` sections of the agentic trainer."""
+    p = cfg.placement
+    _check_numbers([("placement.rollout_workers", p.rollout_workers, "int>=1"),
+                    ("placement.train_workers", p.train_workers, "int>=1"),
+                    ("placement.cpus_per_worker", p.cpus_per_worker, ">0"),
+                    ("ray.timeout_s", cfg.ray.timeout_s, ">0"), ("ray.startup_timeout_s", cfg.ray.startup_timeout_s, ">0"),
+                    ("rollout.prompts_per_request", cfg.rollout.prompts_per_request, "int>=1")])  # fmt: skip
+    _check_names(cfg, [("placement.mode", p.mode, ("colocated", "disaggregated")),
+                       ("placement.reference", p.reference, ("train", "separate"))])  # fmt: skip
+    _check_rollout_scale(cfg)
+    if p.offload_train:
+        raise ValueError(
+            "placement.offload_train: not wired in the agentic trainer (its rollout and update overlap)"
+        )
+    if not cfg.ray.enabled:
+        return
+    if cfg.rollout.engine == "server":
+        raise ValueError(
+            "rollout.engine=server: the inference servers are the rollout workers; set ray.enabled=false"
+        )
+    if critic_needed(cfg):
+        raise ValueError(
+            f"algorithm.advantage={cfg.algorithm.advantage}: the agentic critic runs in process; set ray.enabled=false"
+        )
 
 
 def validate_agentic(cfg: AgenticConfig) -> None:
@@ -1805,10 +1838,13 @@ def validate_agentic(cfg: AgenticConfig) -> None:
     if cfg.env.chat_template not in ("auto", "on", "off"):
         raise ValueError(f"env.chat_template: expected auto, on or off, got {cfg.env.chat_template!r}")
     if a.kl.target:
-        raise ValueError("algorithm.kl.target: the adaptive KL controller is wired in the RLVR trainers only; set it to 0")
+        raise ValueError(
+            "algorithm.kl.target: the adaptive KL controller is wired in the RLVR trainers only; set it to 0"
+        )
     for name, get, off in RLVR_ONLY_ALGORITHM:
         if get(a) != off:
             raise ValueError(f"{name}: wired in the RLVR trainers only, not the agentic one; set it to {off}")
     _check_agentic_engine(r)
+    _check_agentic_ray(cfg)
     _check_common(cfg)
     _check_critic(cfg)

@@ -17,7 +17,7 @@ from rollkit.advantages import gigpo_advantages, starpo_advantages
 from rollkit.ops import broadcast_to_tokens
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from trainers.config import AgenticConfig, load_config
-from trainers.loops.agentic import AgenticTrainer, trajectory_advantages
+from trainers.loops.agentic import AgenticTrainer, kl_to_reference, trajectory_advantages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -339,7 +339,7 @@ def test_kl_reward_penalty_lands_on_each_turn(tmp_path):
                              old_logprobs=batch.behavior_logprobs - 0.1 * batch.response_mask)  # fmt: skip
         before = batch.step_rewards.clone(), batch.rewards.clone()
         metrics: dict[str, float] = {}
-        ref = tr._kl(batch, packed, metrics)
+        ref = kl_to_reference(cfg, tr.reference, batch, packed, metrics)
         kl = torch.exp(ref - packed.old_logprobs) - (ref - packed.old_logprobs) - 1  # k3
         pen = 2.0 * kl * batch.response_mask
         for n in range(len(before[0])):
@@ -399,17 +399,17 @@ def test_per_turn_episodes_outlive_the_context(tmp_path):
 def test_ipa_by_name_gets_the_turns_as_chunks(tmp_path, monkeypatch):
     """algorithm.policy_loss=ipa / advantage=ipa in the agentic config: the update sees each
     token's turn as its chunk id (docs/ipa.md)."""
-    import trainers.loops.agentic as agentic
+    import trainers.learner as learner
 
     cfg = tiny_cfg(tmp_path, "algorithm.policy_loss=ipa", "algorithm.advantage=ipa",
                    "algorithm.advantage_kwargs={gamma: 0.9}", "rollout.mode=lockstep")  # fmt: skip
-    seen, real = {}, agentic.ppo_update
+    seen, real = {}, learner.ppo_update
 
     def spy(engine, packed, adv, spec, **kw):  # records what the update received
         seen["step_ids"] = packed.step_ids
         return real(engine, packed, adv, spec, **kw)
 
-    monkeypatch.setattr(agentic, "ppo_update", spy)
+    monkeypatch.setattr(learner, "ppo_update", spy)
     with AgenticTrainer(cfg) as trainer:
         m = trainer.step()
     assert seen["step_ids"] is not None and int(seen["step_ids"].max()) >= 1  # more than one turn per row

@@ -567,3 +567,41 @@ def test_megatron_tensor_parallel_on_ray_equals_one_rank(cluster, tok, warm_mode
         m = tr.step()
         assert m["rollout/kept_groups"] >= 0 and tr.rollout.policy_version == 1
     assert _no_leaks()
+
+
+@pytest.mark.slow
+def test_agentic_on_ray_reproduces_the_in_process_episodes(cluster, tmp_path):
+    """The agentic trainer with ray.enabled: its rollout, train and reference roles are Ray actors
+    (colocated), the environments stay in this process; with lock-step seeded sampling (float32)
+    the first step plays the in-process run's episodes action for action, with its rewards and its
+    KL, and the update and weight sync go through the actors."""
+    from trainers.config import AgenticConfig
+    from trainers.loops.agentic import AgenticTrainer
+
+    common = [
+        "--model", "tiny", "env.kwargs={size: 2, hole_prob: 0.0, max_turns: 2, end_on_format_error: false}",
+        "env.max_turns=2", "env.max_context=800", "rollout.mode=lockstep", "rollout.groups_per_step=2",
+        "rollout.group_size=2", "rollout.max_tokens=6", "train.lr=1e-2", "train.micro_batch_size=4",
+        "algorithm.kl.coef=0.1", "algorithm.entropy_coef=0.5", "logging.tensorboard=false", "logging.progress=false",
+    ]  # fmt: skip
+    runs = {}
+    for name, extra in (("local", []), ("ray", ["ray.enabled=true", "placement.cpus_per_worker=0.5"])):
+        cfg = load_config([*common, *extra, f"logging.dir={tmp_path / name}"], base=AgenticConfig())
+        with AgenticTrainer(cfg) as tr:
+            seen = []
+            collect = tr.collect
+            tr.collect = lambda seen=seen, collect=collect: (
+                seen.append(collect()) or seen[-1]
+            )  # the steps' batches
+            m1, m2 = tr.step(), tr.step()
+            runs[name] = (seen, m1, m2, tr.rollout.server.policy_version)
+            if name == "ray":
+                assert tr._ray is not None and tr.reference is tr._ray.reference
+    (local, l1, _, lv), (ray_, r1, r2, rv) = runs["local"], runs["ray"]
+    actions = lambda batches: [[e.actions for e in b.episodes] for b in batches]  # noqa: E731
+    assert actions(ray_[:1]) == actions(local[:1])
+    for key in ("reward/mean", "kl/rollout"):
+        assert r1[key] == pytest.approx(l1[key], abs=1e-5)
+    assert r1["optim/grad_norm"] == pytest.approx(l1["optim/grad_norm"], rel=1e-4)
+    assert rv == lv == 2 and "kl/rollout" in r2
+    assert _no_leaks()

@@ -32,16 +32,18 @@ from trainers.config import AgenticConfig, critic_needed, validate_agentic
 from trainers.critic import build_critic
 from trainers.deps import require
 from trainers.engines.base import PackedBatch, SamplingParams, batch_logprobs
-from trainers.engines.build import build_engines, frozen_reference
+from trainers.engines.build import build_engines, build_model, frozen_reference, parse_dtype
+from trainers.engines.torch_train import TorchTrainEngine
 from trainers.envs.base import extract_boxed
 from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
-from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, ppo_update
+from trainers.learner import LocalLearner, UpdateSpec, apply_correction, needs_recompute, nll_loss
 from trainers.loops.common import make_tracker, progress_bar, read_checkpoint, write_checkpoint
 from trainers.loops.critic_step import CriticStep
+from trainers.ray import build_ray_roles
 
-__all__ = ["AgenticTrainer", "build_agentic_engines", "plot_history"]
+__all__ = ["AgenticTrainer", "build_agentic_engines", "kl_to_reference", "plot_history"]
 
 
 def build_agentic_engines(cfg: AgenticConfig) -> tuple[Any, Any, Any]:
@@ -141,6 +143,51 @@ def episode_metrics(result: EpisodeBatch, version: int) -> dict[str, float]:
     }
 
 
+def kl_to_reference(
+    cfg: AgenticConfig,
+    reference: Any,
+    batch: TrajectoryBatch,
+    packed: PackedBatch,
+    metrics: dict[str, float],
+    *,
+    per_turn: bool = False,
+) -> torch.Tensor | None:
+    """With a reference (``algorithm.kl.coef > 0``): its ``[B, T]`` log-probs of the action
+    tokens and ``kl/rollout`` (the token-mean KL estimate between the rollout's log-probs and
+    the reference's). ``kl.mode=reward``: ``coef x`` each turn's summed KL is taken off that
+    turn's reward (``step_rewards``) and off its trajectory's (``rewards``,
+    ``episode_returns``), before any estimator sees them; ``kl.mode=loss``: the returned
+    log-probs go to the update's KL term."""
+    if reference is None:
+        return None
+    a, r, mask = cfg.algorithm, cfg.rollout, packed.response_mask
+    ref = batch_logprobs(reference, packed, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                         micro_batch_size=cfg.train.micro_batch_size) * mask  # fmt: skip
+    kl = (
+        REGULARIZERS.entry("kl")
+        .call(
+            {"logprobs": packed.old_logprobs, "ref_logprobs": ref, "response_mask": mask},
+            estimator=a.kl.estimator,
+            coef=1.0,
+        )
+        .loss
+    )
+    metrics["kl/rollout"] = float(kl.sum() / mask.sum().clamp(min=1))
+    if a.kl.mode == "reward":
+        pen = a.kl.coef * kl * mask
+        n = int(batch.step_rewards.shape[0])
+        step = (batch.step_offsets.unsqueeze(1) + batch.step_ids.clamp(min=0)).clamp(max=max(n - 1, 0))
+        per_step = torch.zeros(n, dtype=pen.dtype).index_add_(0, step[mask], pen[mask])
+        episodes = int(batch.traj_ids.max()) + 1 if n else 0  # rows (trajectory) or episodes (per turn)
+        per_episode = torch.zeros(episodes, dtype=pen.dtype).index_add_(0, batch.traj_ids, per_step)
+        row_episode = batch.traj_ids if per_turn else torch.arange(batch.rewards.shape[0])
+        batch.step_rewards = batch.step_rewards - per_step
+        batch.rewards = batch.rewards - per_episode[row_episode]
+        batch.episode_returns = batch.episode_returns - per_episode[batch.traj_ids]
+        metrics["kl/reward_penalty_mean"] = float(pen.sum(-1).mean())
+    return ref
+
+
 class AgenticTrainer:
     """Multi-turn agentic RL (module docstring): ``fit()`` = evaluate, ``train.steps`` x
     :meth:`step`, evaluate.
@@ -172,8 +219,13 @@ class AgenticTrainer:
         validate_agentic(cfg)
         self.cfg = cfg
         _check_env(cfg)
+        self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)
+        model, self._ray, self._prewarmed = None, None, False
         if rollout_engine is None or train_engine is None:
-            rollout_engine, train_engine, tokenizer = build_agentic_engines(cfg)
+            if cfg.ray.enabled:  # the roles as Ray actors: built below, from this model
+                model, tokenizer = build_model(cfg, max_positions=max(512, cfg.env.max_context))
+            else:
+                rollout_engine, train_engine, tokenizer = build_agentic_engines(cfg)
         if tokenizer is None:
             raise ValueError("tokenizer: required when the engines are passed in")
         self.train, self.tok = train_engine, tokenizer
@@ -182,6 +234,10 @@ class AgenticTrainer:
         e = cfg.env
         template = None if e.chat_template == "auto" else e.chat_template == "on"
         self.encoder = TurnEncoder(tokenizer, chat_template=template, system_prompt=e.system_prompt or None)
+        if model is not None:
+            rollout_engine = self._start_ray(model)
+        else:
+            self.learner: Any = LocalLearner(train_engine, self.spec)
         self.rollout = EpisodeRunner(
             rollout_engine,
             self.encoder,
@@ -201,7 +257,6 @@ class AgenticTrainer:
         self.adv_entry = None if critic_needed(cfg) else ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
         # algorithm.advantage=gae / asyppo: the learned critic (critic.model_path, or cfg.model afresh)
         self.critic = critic if critic is not None or not critic_needed(cfg) else build_critic(cfg)
-        self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)
         self.version = 0  # optimizer steps applied = the policy version the engine serves
         self._seeds = random.Random(cfg.seed)
         self._calls = 0
@@ -289,7 +344,7 @@ class AgenticTrainer:
             step_ids=batch.step_ids,  # IPA's chunks: the turn of each token (algorithm.policy_loss=ipa)
         )
         t1 = time.perf_counter()
-        ref_lp = self._kl(batch, packed, metrics)
+        ref_lp = kl_to_reference(cfg, self.reference, batch, packed, metrics, per_turn=self.per_turn)
         critic_step = None
         if self.critic is None:
             adv, adv_metrics = trajectory_advantages(
@@ -310,7 +365,7 @@ class AgenticTrainer:
         if needs_recompute(corr):
             r = cfg.rollout
             old = batch_logprobs(
-                self.train,
+                self.train if self.train is not None else self.learner,
                 packed,
                 temperature=r.temperature,
                 top_k=r.top_k,
@@ -322,15 +377,12 @@ class AgenticTrainer:
         if critic_step is not None and self.version < cfg.critic.warmup_steps:
             metrics["critic/warmup"] = 1.0  # critic warm-up: the policy waits (its version still advances)
         else:
-            stats = ppo_update(
-                self.train, packed, adv, self.spec, ref_logprobs=ref_lp, seed=cfg.seed * 7919 + self.version
-            )
-            metrics.update(stats.metrics())
+            metrics.update(self.learner.update(packed, adv, ref_lp, seed=cfg.seed * 7919 + self.version))
         t_train = time.perf_counter() - t1
         # push the weights (between two generation batches if a collection is running)
         t2 = time.perf_counter()
         self.version += 1
-        self.rollout.server.update_weights(self.train.export_weights(), self.version)
+        self.rollout.server.update_weights(self.learner.export_weights(), self.version)
         metrics.update(
             {
                 "time/rollout": t_rollout,
@@ -341,6 +393,19 @@ class AgenticTrainer:
             }
         )
         return metrics
+
+    def _start_ray(self, model: Any) -> Any:
+        """``ray.enabled``: warm ``model`` up here (``warmup.*``, unless resuming), then start the
+        rollout, train and reference roles as Ray actors from it (:func:`trainers.ray.build_ray_roles`,
+        placed by ``placement``); returns the rollout group the runner plays with."""
+        cfg = self.cfg
+        if cfg.warmup.steps and not cfg.checkpoint.resume:
+            self._warmup_loss = self._warm(TorchTrainEngine(model, dtype=parse_dtype(cfg.model.dtype)))
+            self._prewarmed = True
+        self._ray = build_ray_roles(cfg, model=model, tokenizer=self.tok, reference=cfg.algorithm.kl.coef > 0)
+        self.learner = self._ray.train
+        self.reference = self.reference if self.reference is not None else self._ray.reference
+        return self._ray.rollout
 
     @property
     def per_turn(self) -> bool:
@@ -358,44 +423,6 @@ class AgenticTrainer:
         if self.reference is None and self.cfg.algorithm.kl.coef > 0:
             self.reference = frozen_reference(self.train, packing=bool(self.cfg.train.packing))
             self._own_reference = True
-
-    def _kl(
-        self, batch: TrajectoryBatch, packed: PackedBatch, metrics: dict[str, float]
-    ) -> torch.Tensor | None:
-        """With a reference (``algorithm.kl.coef > 0``): its ``[B, T]`` log-probs of the action
-        tokens and ``kl/rollout`` (the token-mean KL estimate between the rollout's log-probs and
-        the reference's). ``kl.mode=reward``: ``coef x`` each turn's summed KL is taken off that
-        turn's reward (``step_rewards``) and off its trajectory's (``rewards``,
-        ``episode_returns``), before any estimator sees them; ``kl.mode=loss``: the returned
-        log-probs go to the update's KL term."""
-        if self.reference is None:
-            return None
-        a, r, mask = self.cfg.algorithm, self.cfg.rollout, packed.response_mask
-        ref = batch_logprobs(self.reference, packed, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                             micro_batch_size=self.cfg.train.micro_batch_size) * mask  # fmt: skip
-        kl = (
-            REGULARIZERS.entry("kl")
-            .call(
-                {"logprobs": packed.old_logprobs, "ref_logprobs": ref, "response_mask": mask},
-                estimator=a.kl.estimator,
-                coef=1.0,
-            )
-            .loss
-        )
-        metrics["kl/rollout"] = float(kl.sum() / mask.sum().clamp(min=1))
-        if a.kl.mode == "reward":
-            pen = a.kl.coef * kl * mask
-            n = int(batch.step_rewards.shape[0])
-            step = (batch.step_offsets.unsqueeze(1) + batch.step_ids.clamp(min=0)).clamp(max=max(n - 1, 0))
-            per_step = torch.zeros(n, dtype=pen.dtype).index_add_(0, step[mask], pen[mask])
-            episodes = int(batch.traj_ids.max()) + 1 if n else 0  # rows (trajectory) or episodes (per turn)
-            per_episode = torch.zeros(episodes, dtype=pen.dtype).index_add_(0, batch.traj_ids, per_step)
-            row_episode = batch.traj_ids if self.per_turn else torch.arange(batch.rewards.shape[0])
-            batch.step_rewards = batch.step_rewards - per_step
-            batch.rewards = batch.rewards - per_episode[row_episode]
-            batch.episode_returns = batch.episode_returns - per_episode[batch.traj_ids]
-            metrics["kl/reward_penalty_mean"] = float(pen.sum(-1).mean())
-        return ref
 
     # ------------------------------------------------------------------ evaluation
 
@@ -446,25 +473,34 @@ class AgenticTrainer:
         """Supervised warm-up (``warmup.*``): token-mean NLL of random well-formed actions after
         random contexts, through the train engine's forward with an AdamW of its own (lr
         ``warmup.lr``); pushes the weights. Returns the last loss."""
+        if self._prewarmed:  # on Ray: done before the actors started
+            return self._warmup_loss
+        if self.train is None:
+            raise ValueError("warmup.steps: the supervised warm-up of a Ray run happens as it starts")
+        loss_v = self._warm(self.train, steps)
+        self.rollout.server.update_weights(self.learner.export_weights(), self.version)
+        return loss_v
+
+    def _warm(self, engine: Any, steps: int | None = None) -> float:
+        """The warm-up's ``steps`` AdamW steps on ``engine``'s model; returns the last loss."""
         w = self.cfg.warmup
         steps = w.steps if steps is None else steps
         if steps <= 0:
             return float("nan")
         env = build_inner(self.cfg.env.name, self.cfg.env.kwargs)
         rng = random.Random(self.cfg.seed + 17)
-        params = [p for p in self.train.model.parameters() if p.requires_grad]
+        params = [p for p in engine.model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=w.lr)
         loss_v = float("nan")
         for _ in range(steps):
             contexts, answers = self._warmup_examples(env, rng)
-            loss = nll_loss(self.train, contexts, answers, self.pad_id)
+            loss = nll_loss(engine, contexts, answers, self.pad_id)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             loss_v = float(loss.detach())
         opt.zero_grad(set_to_none=True)
-        self.rollout.server.update_weights(self.train.export_weights(), self.version)
         return loss_v
 
     # ------------------------------------------------------------------ fit
@@ -477,7 +513,7 @@ class AgenticTrainer:
         (``rollout.max_staleness``) is not saved: the resumed run collects it again."""
         return {
             "version": self.version,
-            "train": self.train.state_dict(),
+            "train": self.learner.state_dict(),
             "critic": None if self.critic is None else self.critic.state_dict(),
             "seeds": self._seeds.getstate(),
             "calls": self._calls,
@@ -487,7 +523,7 @@ class AgenticTrainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.train.load_state_dict(state["train"])
+        self.learner.load_state_dict(state["train"])
         if self.critic is not None:
             if state.get("critic") is None:
                 raise ValueError(
@@ -517,7 +553,7 @@ class AgenticTrainer:
         ``checkpoint.dir``) and push its weights to the rollout engine."""
         self._drain()
         self.load_state_dict(read_checkpoint(path, self.cfg.checkpoint.dir))
-        self.rollout.server.update_weights(self.train.export_weights(), self.version)
+        self.rollout.server.update_weights(self.learner.export_weights(), self.version)
 
     def _progress(self, k: int, total: int, m: dict[str, float]) -> str:
         ev = f" eval {m['eval/success_rate']:.3f}" if "eval/success_rate" in m else ""
@@ -580,7 +616,9 @@ class AgenticTrainer:
         tracker.close()
         if cfg.checkpoint.dir:
             self.save_checkpoint()
-        model_dir = self.train.save_model(tracker.dir / "model", self.tok) if cfg.logging.save_model else None
+        model_dir = (
+            self.learner.save_model(tracker.dir / "model", self.tok) if cfg.logging.save_model else None
+        )
         if self.critic is not None and cfg.logging.save_model:
             self.critic.save_model(tracker.dir / "critic", self.tok)
         steps_run = self.version - start
@@ -611,7 +649,11 @@ class AgenticTrainer:
         finally:
             if self._bg is not None:
                 self._bg.shutdown(wait=True)
-            self.rollout.close()
+            try:
+                self.rollout.close()
+            finally:
+                if self._ray is not None:
+                    self._ray.close()
 
     def __enter__(self) -> AgenticTrainer:
         return self
