@@ -54,11 +54,11 @@ def recipe_defaults() -> AgenticConfig:
     cfg.logging.dir = "runs/agent_tools"
     cfg.rollout.dtype = "auto"
     cfg.train.autocast = "auto"
-    cfg.warmup.steps = 20
+    cfg.warmup.steps = 16
     cfg.warmup.batch_size = 8
     cfg.warmup.lr = 3e-5
     cfg.train.lr = 1e-5
-    cfg.train.steps = 8
+    cfg.train.steps = 6
     cfg.eval.every = 0
     return cfg
 
