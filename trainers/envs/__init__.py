@@ -7,6 +7,9 @@ adapter, environments in worker processes, and the episode runner. Guide: ``docs
   GEM's environments as ``make_env("gem:game:Sokoban-v0-easy")`` (imported only then).
 * :mod:`trainers.envs.frozenlake`, :mod:`trainers.envs.sokoban`, :mod:`trainers.envs.calculator`:
   the built-in environments (no extra dependency); :mod:`trainers.envs.gem`: the GEM adapter.
+* :mod:`trainers.envs.tools`: the tool registry, the sandboxed Python tool and the tool-call
+  parsers; :mod:`trainers.envs.python_tool_env`: word problems solved with that tool (both import
+  the sandbox, hence torch: they are not exported here). Guide: ``docs/tools.md``.
 * :mod:`trainers.envs.workers`: :class:`EnvWorkers`, environments in worker processes with a
   per-call deadline; :mod:`trainers.envs.chaos` has environments that fail on purpose;
   :mod:`trainers.envs.wrappers`: state ids in ``info``, simulated latency and failures.
