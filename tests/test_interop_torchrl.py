@@ -228,6 +228,7 @@ def test_every_registered_policy_loss_as_loss_module(name):
         "advantages": torch.where(mask, torch.randn(B, 1, generator=g), 0.0),
         "response_mask": mask,
         "is_weights": torch.rand(B, T, generator=g) * 2,  # optional (ppo)
+        "step_ids": (torch.arange(T)[None, :] // 2).expand(B, T).clone(),  # ipa: the turn of each token
     }
     missing = [k for k in entry.in_keys.values() if k not in batch]
     assert not missing, f"policy loss {name!r} reads {missing}; add them to this test's batch"

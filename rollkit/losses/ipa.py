@@ -97,6 +97,10 @@ def chunk_index(chunk_ids: Tensor | None, mask: Tensor) -> tuple[Tensor, Tensor,
     if mask.numel() == 0:
         empty = torch.zeros(0, dtype=torch.bool, device=mask.device)
         return torch.zeros(mask.shape, dtype=torch.int64, device=mask.device), empty, 0
+    if mask.is_meta:  # shapes only (no values to sort): two units per row, its invalid then its valid tokens
+        rows = torch.arange(b, device=mask.device).unsqueeze(-1).expand(b, t)
+        valid = torch.arange(2 * b, device=mask.device) % 2 == 1
+        return 2 * rows + mask.to(torch.int64), valid, 2 * b
     zero = torch.zeros((), dtype=torch.int64, device=mask.device)
     ids = zero.expand(b, t) if chunk_ids is None else torch.where(mask, chunk_ids.to(torch.int64), zero)
     rows = torch.arange(b, device=mask.device).unsqueeze(-1).expand(b, t)
@@ -352,7 +356,7 @@ def _chunk_metrics(clr: Tensor, mask: Tensor, chunk_ids: Tensor | None) -> dict[
     """``chunk_ratio_mean`` / ``_min`` / ``_max`` over the valid chunks, and ``num_chunks``."""
     index, valid, n = chunk_index(chunk_ids, mask)
     one = torch.ones((), dtype=clr.dtype, device=clr.device)
-    if n == 0 or not mask.any():
+    if n == 0 or mask.is_meta or not mask.any():  # meta: shapes only, the metrics are placeholders
         return {
             "chunk_ratio_mean": one,
             "chunk_ratio_min": one,
