@@ -1837,10 +1837,6 @@ def validate_agentic(cfg: AgenticConfig) -> None:
     _check_engine_temperature(r.engine_temperature)
     if cfg.env.chat_template not in ("auto", "on", "off"):
         raise ValueError(f"env.chat_template: expected auto, on or off, got {cfg.env.chat_template!r}")
-    if a.kl.target:
-        raise ValueError(
-            "algorithm.kl.target: the adaptive KL controller is wired in the RLVR trainers only; set it to 0"
-        )
     for name, get, off in RLVR_ONLY_ALGORITHM:
         if get(a) != off:
             raise ValueError(f"{name}: wired in the RLVR trainers only, not the agentic one; set it to {off}")
