@@ -178,7 +178,8 @@ def kl_to_reference(
         n = int(batch.step_rewards.shape[0])
         step = (batch.step_offsets.unsqueeze(1) + batch.step_ids.clamp(min=0)).clamp(max=max(n - 1, 0))
         per_step = torch.zeros(n, dtype=pen.dtype).index_add_(0, step[mask], pen[mask])
-        episodes = int(batch.traj_ids.max()) + 1 if n else 0  # rows (trajectory) or episodes (per turn)
+        # per turn: traj_ids are episodes; one sequence per episode: rows (a row may have no kept turn)
+        episodes = (int(batch.traj_ids.max()) + 1 if n else 0) if per_turn else int(batch.rewards.shape[0])
         per_episode = torch.zeros(episodes, dtype=pen.dtype).index_add_(0, batch.traj_ids, per_step)
         row_episode = batch.traj_ids if per_turn else torch.arange(batch.rewards.shape[0])
         batch.step_rewards = batch.step_rewards - per_step
