@@ -40,6 +40,7 @@ __all__ = [
     "needs_recompute",
     "pack_by_tokens",
     "nll_loss",
+    "rollout_kl",
     "ppo_update",
     "supervised_warmup",
 ]
@@ -119,6 +120,18 @@ class UpdateStats:
         if self.mismatch:
             out.update({f"mismatch/{k}": float(v) for k, v in reduce_mismatch_stats(self.mismatch).items()})
         return out
+
+
+def rollout_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, estimator: str
+) -> tuple[torch.Tensor, float]:
+    """``([B, T] per-token KL estimate, token mean)`` between the rollout's log-probs and the
+    reference's (the registry's ``"kl"`` regulariser with ``coef=1``): the ``kl/rollout`` metric
+    and the per-token penalty of ``kl.mode=reward`` in the RLVR and agentic loops."""
+    kl = REGULARIZERS.entry("kl").call(
+        {"logprobs": logprobs, "ref_logprobs": ref_logprobs, "response_mask": mask}, estimator=estimator, coef=1.0
+    ).loss
+    return kl, float(kl.sum() / mask.sum().clamp(min=1))
 
 
 def loss_mask(batch: PackedBatch) -> torch.Tensor:

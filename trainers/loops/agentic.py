@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rollkit.advantages import anchor_state_index
-from rollkit.registry import ADVANTAGE_ESTIMATORS, REGULARIZERS
+from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.trajectory import TrajectoryBatch
 from trainers.config import AgenticConfig, critic_needed, validate_agentic
 from trainers.critic import build_critic
@@ -38,7 +38,7 @@ from trainers.envs.base import extract_boxed
 from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
-from trainers.learner import LocalLearner, UpdateSpec, apply_correction, needs_recompute, nll_loss
+from trainers.learner import LocalLearner, UpdateSpec, apply_correction, needs_recompute, nll_loss, rollout_kl
 from trainers.loops.common import make_tracker, progress_bar, read_checkpoint, write_checkpoint
 from trainers.loops.critic_step import CriticStep
 from trainers.ray import build_ray_roles
@@ -163,16 +163,7 @@ def kl_to_reference(
     a, r, mask = cfg.algorithm, cfg.rollout, packed.response_mask
     ref = batch_logprobs(reference, packed, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                          micro_batch_size=cfg.train.micro_batch_size) * mask  # fmt: skip
-    kl = (
-        REGULARIZERS.entry("kl")
-        .call(
-            {"logprobs": packed.old_logprobs, "ref_logprobs": ref, "response_mask": mask},
-            estimator=a.kl.estimator,
-            coef=1.0,
-        )
-        .loss
-    )
-    metrics["kl/rollout"] = float(kl.sum() / mask.sum().clamp(min=1))
+    kl, metrics["kl/rollout"] = rollout_kl(packed.old_logprobs, ref, mask, a.kl.estimator)
     if a.kl.mode == "reward":
         pen = a.kl.coef * kl * mask
         n = int(batch.step_rewards.shape[0])

@@ -29,7 +29,7 @@ import torch
 
 from rollkit.losses.kl import AdaptiveKLController
 from rollkit.ops import masked_whiten
-from rollkit.registry import ADVANTAGE_ESTIMATORS, REGULARIZERS
+from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.rewards import (
     RunningRewardNormalizer,
     clip_advantages,
@@ -42,7 +42,7 @@ from rollkit.rewards import (
 from trainers.config import Config, critic_needed
 from trainers.domains import domain_masks
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
-from trainers.learner import apply_correction, loss_mask, needs_recompute
+from trainers.learner import apply_correction, loss_mask, needs_recompute, rollout_kl
 from trainers.loops.collect import Group
 from trainers.loops.common import Timer
 from trainers.loops.critic_step import CriticStep
@@ -132,16 +132,7 @@ class GroupUpdate:
         if self.roles.reference is not None:
             with timer("reference"):
                 ref_lp = self._logprobs(self.roles.reference, batch)
-            kl_tok = (
-                REGULARIZERS.entry("kl")
-                .call(
-                    {"logprobs": batch.old_logprobs, "ref_logprobs": ref_lp, "response_mask": mask},
-                    estimator=a.kl.estimator,
-                    coef=1.0,
-                )
-                .loss
-            )
-            metrics["kl/rollout"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
+            kl_tok, metrics["kl/rollout"] = rollout_kl(batch.old_logprobs, ref_lp, mask, a.kl.estimator)
             if a.kl.mode == "reward":
                 coef = a.kl.coef if self.kl_ctrl is None else self.kl_ctrl.value
                 kl_pen = coef * kl_tok
