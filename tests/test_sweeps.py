@@ -36,6 +36,8 @@ GROUPS_ON_META = {
         "gigpo",
         "starpo",
         "reinforce++-baseline",
+        "discounted_return",
+        "ipa",
     )
 } | {("filter", "zero_variance"), ("filter", "accuracy_band")}
 

@@ -91,13 +91,14 @@ def ipa_advantages(
     check_choice("norm", norm, _NORMS)
     check_positive("eps", eps, allow_zero=True)
     returns = discounted_step_returns(step_rewards, traj_ids, step_index, gamma=gamma)
+    if group_ids is not None:  # validated even where the norm ignores it
+        check_same_device("group_ids", group_ids, "step_rewards", step_rewards)
     if norm == "none" or returns.shape[0] == 0:
         return returns
     if norm == "group":
         if group_ids is None:
             raise ValueError("group_ids: required when norm='group'")
         check_group_ids("group_ids", group_ids, returns.shape[0])
-        check_same_device("group_ids", group_ids, "step_rewards", step_rewards)
         index, num = _group_index(group_ids, "group_ids")
     else:
         index = torch.zeros(returns.shape[0], dtype=torch.int64, device=returns.device)
