@@ -10,6 +10,7 @@ ones are both float32 computations over the same weights; they differ by about 5
 """
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -135,6 +136,20 @@ def test_n_samples_ordering_and_seed(engine, prompts):
     assert [lp for g in again for lp in g.logprobs] == pytest.approx(flat, abs=1e-6)
     # the n samples of a prompt differ (different per-sample seeds)
     assert len({tuple(g.token_ids) for g in gens[:3]}) > 1
+
+
+def test_identical_prompts_of_a_seeded_batch_draw_different_samples(engine, prompts):
+    """Each prompt has a seed stream of its own (prompt_seed): two rows with the same context (the
+    first turn of two episodes of one task) must not draw the same sample, in either path."""
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=16, ignore_eos=True, seed=5)
+    same = [prompts[0]] * 4
+    batch = engine.generate(same, params)
+    assert len({tuple(g.token_ids) for g in batch}) > 1
+    streamed = list(engine.generate_iter(same, params))
+    assert _multiset(streamed) == _multiset(batch)
+    # and the next call's seed (seed + 1) does not repeat this call's rows shifted by one
+    nxt = engine.generate(same, dataclasses.replace(params, seed=6))
+    assert [g.token_ids for g in nxt[:3]] != [g.token_ids for g in batch[1:]]
 
 
 def test_stop_tokens_and_length(engine, prompts):

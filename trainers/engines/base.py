@@ -48,7 +48,30 @@ __all__ = [
     "pack_generations",
     "pad_right",
     "position_ids_from_mask",
+    "prompt_seed",
 ]
+
+_MASK64 = (1 << 64) - 1
+
+
+def prompt_seed(seed: int, prompt: int) -> int:
+    """The sampling seed of prompt ``prompt`` of a seeded batch, for engines that seed each
+    request on its own (vLLM, ``vllm serve``): sample ``j`` of that prompt uses
+    ``prompt_seed(seed, prompt) + j`` (vLLM's rule for the children of an ``n > 1`` request).
+
+    A splitmix64 hash of ``(seed, prompt)``, shifted to 62 bits: every prompt of a batch gets a
+    stream of its own, and consecutive batch seeds (``seed``, ``seed + 1``, ..., as
+    :class:`trainers.engines.server.GenerationServer` counts its calls) never share one. With
+    ``seed + j`` for every prompt (the old rule) two rows holding the same context, e.g. the
+    first turn of two episodes of one task, drew the same sample.
+
+    >>> prompt_seed(7, 0) != prompt_seed(7, 1) != prompt_seed(8, 0)
+    True
+    """
+    z = (int(seed) + (int(prompt) + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 2
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.base import Generation, SamplingParams, prompt_seed
 from trainers.engines.requests import Request, _check_new
 from trainers.engines.server_pool import ServerPool
 from trainers.engines.vllm_rollout import _check_cpu_head_size, _checkpoint_shapes
@@ -454,7 +454,7 @@ class ServerRolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``
-        (sample ``j`` seeded with ``params.seed + j``). Do not mix with running requests."""
+        (sample ``j`` seeded with ``prompt_seed(params.seed, i) + j``, a stream per prompt). Do not mix with running requests."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         for p in prompts:
@@ -465,7 +465,7 @@ class ServerRolloutEngine:
         tag = uuid.uuid4().hex[:8]
         reqs = [
             Request(
-                f"gen-{tag}-{i}-{j}", [int(t) for t in p], dataclasses.replace(params, n=1, seed=seed + j)
+                f"gen-{tag}-{i}-{j}", [int(t) for t in p], dataclasses.replace(params, n=1, seed=prompt_seed(seed, i) + j)
             )
             for i, p in enumerate(prompts)
             for j in range(params.n)

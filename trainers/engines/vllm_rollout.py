@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from trainers.deps import require
-from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.base import Generation, SamplingParams, prompt_seed
 from trainers.engines.guard import child_pids, watch
 from trainers.engines.lora import ADAPTER_NAME, write_adapter
 from trainers.vision import image_inputs, vision_token_ids
@@ -327,9 +327,13 @@ class VLLMRolloutEngine:
         if not prompts:
             return []
         token_prompts = [token_prompt(p) for p in prompts]
-        outs = self.llm.generate(
-            token_prompts, self._vllm_params(params), use_tqdm=False, lora_request=self._lora_request
-        )
+        seed = params.seed if params.seed is not None else random.randrange(2**62)
+        # one seed per prompt (prompt_seed): identical prompts in a batch draw different samples
+        per_prompt = [
+            self._vllm_params(dataclasses.replace(params, seed=prompt_seed(seed, i)))
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate(token_prompts, per_prompt, use_tqdm=False, lora_request=self._lora_request)
         result: list[Generation] = []
         for i, (p, ro) in enumerate(zip(token_prompts, outs)):
             samples = sorted(ro.outputs, key=lambda c: c.index)
@@ -361,9 +365,9 @@ class VLLMRolloutEngine:
     def generate_iter(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[Generation]:
         """Stream :meth:`generate`: yield each sample as soon as vLLM finishes it.
 
-        Each sample is its own vLLM request (``n=1``): sample ``j`` of every prompt gets the
-        per-request seed ``seed + j``, the seed vLLM gives the ``j``-th child of an ``n > 1``
-        request, so the samples are those of :meth:`generate` for the same seed (as a
+        Each sample is its own vLLM request (``n=1``): sample ``j`` of prompt ``i`` gets the
+        per-request seed ``prompt_seed(seed, i) + j``, the seed vLLM gives the ``j``-th child of
+        the ``n > 1`` request :meth:`generate` sends for prompt ``i``, so the samples are those of :meth:`generate` for the same seed (as a
         multiset; vLLM's seeded sampling uses a generator per request, independent of the
         batch). Greedy decoding runs one request per prompt and yields ``n`` copies of it.
         The requests are queued with ``llm.enqueue`` and the engine is driven with
@@ -382,7 +386,9 @@ class VLLMRolloutEngine:
             ids = p if image_inputs(p) is not None else [int(t) for t in p]
             for j in range(per_prompt):
                 token_prompts.append(token_prompt(p))
-                vparams.append(self._vllm_params(dataclasses.replace(params, n=1, seed=seed + j)))
+                vparams.append(
+                    self._vllm_params(dataclasses.replace(params, n=1, seed=prompt_seed(seed, i) + j))
+                )
                 owner.append((i, ids))
         request_ids = self.llm.enqueue(
             token_prompts, vparams, use_tqdm=False, lora_request=self._lora_request
