@@ -454,7 +454,8 @@ class ServerRolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         """``params.n`` samples per prompt; ``out[i * n + j]`` is sample ``j`` of prompt ``i``
-        (sample ``j`` seeded with ``prompt_seed(params.seed, i) + j``, a stream per prompt). Do not mix with running requests."""
+        (sample ``j`` seeded with ``prompt_seed(params.seed, i) + j``, a stream per prompt). Do not
+        mix with running requests."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         for p in prompts:
@@ -465,7 +466,9 @@ class ServerRolloutEngine:
         tag = uuid.uuid4().hex[:8]
         reqs = [
             Request(
-                f"gen-{tag}-{i}-{j}", [int(t) for t in p], dataclasses.replace(params, n=1, seed=prompt_seed(seed, i) + j)
+                f"gen-{tag}-{i}-{j}",
+                [int(t) for t in p],
+                dataclasses.replace(params, n=1, seed=prompt_seed(seed, i) + j),
             )
             for i, p in enumerate(prompts)
             for j in range(params.n)

@@ -367,9 +367,9 @@ class VLLMRolloutEngine:
 
         Each sample is its own vLLM request (``n=1``): sample ``j`` of prompt ``i`` gets the
         per-request seed ``prompt_seed(seed, i) + j``, the seed vLLM gives the ``j``-th child of
-        the ``n > 1`` request :meth:`generate` sends for prompt ``i``, so the samples are those of :meth:`generate` for the same seed (as a
-        multiset; vLLM's seeded sampling uses a generator per request, independent of the
-        batch). Greedy decoding runs one request per prompt and yields ``n`` copies of it.
+        the ``n > 1`` request :meth:`generate` sends for prompt ``i``, so the samples are those
+        of :meth:`generate` for the same seed (as a multiset; vLLM's seeded sampling uses a
+        generator per request, independent of the batch). Greedy decoding runs one request per prompt and yields ``n`` copies of it.
         The requests are queued with ``llm.enqueue`` and the engine is driven with
         ``llm.llm_engine.step()`` (what ``LLM.generate`` does internally), yielding every
         request whose output is final after a step; the engine keeps its continuous
