@@ -369,11 +369,11 @@ class VLLMRolloutEngine:
         per-request seed ``prompt_seed(seed, i) + j``, the seed vLLM gives the ``j``-th child of
         the ``n > 1`` request :meth:`generate` sends for prompt ``i``, so the samples are those
         of :meth:`generate` for the same seed (as a multiset; vLLM's seeded sampling uses a
-        generator per request, independent of the batch). Greedy decoding runs one request per prompt and yields ``n`` copies of it.
-        The requests are queued with ``llm.enqueue`` and the engine is driven with
-        ``llm.llm_engine.step()`` (what ``LLM.generate`` does internally), yielding every
-        request whose output is final after a step; the engine keeps its continuous
-        batching. Closing the iterator early aborts the requests still running. Do not
+        generator per request, independent of the batch). Greedy decoding runs one request per
+        prompt and yields ``n`` copies of it. The requests are queued with ``llm.enqueue`` and
+        the engine is driven with ``llm.llm_engine.step()`` (what ``LLM.generate`` does
+        internally), yielding every request whose output is final after a step; the engine
+        keeps its continuous batching. Closing the iterator early aborts the requests still running. Do not
         call other methods of the engine while the iterator is open.
         """
         self._check_can_generate(prompts)
