@@ -13,30 +13,45 @@ PY="${PYTHON:-python3}"
 TORCH="torch==2.13.0"
 ROLLKIT_CORE="einops==0.8.2"
 
+pipi() {  # pipi NAME ARGS...: pip install into $ENVS/NAME, three tries (a download can fail once); fail loudly
+  local env="$1" try out
+  shift
+  for try in 1 2 3; do
+    if out=$("$ENVS/$env/bin/pip" install -q "$@" 2>&1); then
+      grep -v "is ignored\|requires\|resolver" <<<"$out" || true
+      return 0
+    fi
+    echo "pip install $* into $env failed (try $try of 3):"
+    grep -v "is ignored" <<<"$out" | tail -20
+    sleep 10
+  done
+  return 1
+}
+
 build() {  # build NAME: a fresh venv at $ENVS/NAME
   rm -rf "$ENVS/$1"
   "$PY" -m venv "$ENVS/$1"
-  "$ENVS/$1/bin/pip" install -q "$TORCH" 2>&1 | grep -v "is ignored" || true
+  pipi "$1" "$TORCH"
 }
 
 mkdir -p "$ENVS"
 start=$(date +%s)
 
 build verl
-"$ENVS/verl/bin/pip" install -q --no-deps verl==0.9.1 2>&1 | grep -v "is ignored" || true
-"$ENVS/verl/bin/pip" install -q $ROLLKIT_CORE tensordict==0.10.0 numpy==2.4.6 omegaconf==2.4.0 \
-  packaging==25.0 ray==2.55.0 transformers==5.10.4 codetiming==1.4.0 datasets==5.2.0 pillow==13.0.0 \
-  2>&1 | grep -v "is ignored\|requires\|resolver" || true
+pipi verl --no-deps verl==0.9.1
+pipi verl $ROLLKIT_CORE tensordict==0.10.0 numpy==2.4.6 omegaconf==2.4.0 \
+  packaging==25.0 ray==2.55.0 transformers==5.10.4 codetiming==1.4.0 datasets==5.2.0 pillow==13.0.0
 "$ENVS/verl/bin/python" -c "import verl.trainer.ppo.core_algos, verl.workers.config"
 touch "$ENVS/verl/.rollkit-ready"  # the tests run only in a venv that was finished
 
 build openrlhf
-"$ENVS/openrlhf/bin/pip" install -q --no-deps openrlhf==0.11.2 2>&1 | grep -v "is ignored" || true
-"$ENVS/openrlhf/bin/pip" install -q $ROLLKIT_CORE tensordict==0.10.0 numpy==2.4.6 packaging==25.0 hjson==3.1.0 \
-  ninja==1.13.2 py-cpuinfo==9.0.0 pydantic==2.14.4 msgpack==1.2.4 psutil tqdm setuptools wheel \
-  2>&1 | grep -v "is ignored\|requires\|resolver" || true
-DS_BUILD_OPS=0 "$ENVS/openrlhf/bin/pip" install -q --no-deps --no-build-isolation deepspeed==0.19.6 \
-  2>&1 | grep -v "is ignored" || true
+pipi openrlhf --no-deps openrlhf==0.11.2
+pipi openrlhf $ROLLKIT_CORE tensordict==0.10.0 numpy==2.4.6 packaging==25.0 hjson==3.1.0 \
+  ninja==1.13.2 py-cpuinfo==9.0.0 pydantic==2.14.4 msgpack==1.2.4 psutil tqdm setuptools wheel
+DS_BUILD_OPS=0 pipi openrlhf --no-deps --no-build-isolation deepspeed==0.19.6
+# DeepSpeed's own imports, checked so a venv that misses one is never marked ready (a CI run
+# found `packaging` absent); importing deepspeed itself can fail once (check_openrlhf.py reruns).
+"$ENVS/openrlhf/bin/python" -c "import packaging, hjson, ninja, cpuinfo, pydantic, msgpack, psutil, tqdm, einops, tensordict"
 "$ENVS/openrlhf/bin/python" -c "import deepspeed" 2>&1 | grep -v WARNING || true
 touch "$ENVS/openrlhf/.rollkit-ready"
 
