@@ -47,7 +47,7 @@ touch "$ENVS/verl/.rollkit-ready"  # the tests run only in a venv that was finis
 build openrlhf
 pipi openrlhf --no-deps openrlhf==0.11.2
 pipi openrlhf $ROLLKIT_CORE tensordict==0.10.0 numpy==2.4.6 packaging==25.0 hjson==3.1.0 \
-  ninja==1.13.2 py-cpuinfo==9.0.0 pydantic==2.14.4 msgpack==1.2.4 psutil tqdm setuptools wheel
+  ninja==1.13.2 py-cpuinfo==9.0.0 pydantic==2.14.4 msgpack==1.2.4 psutil==7.2.2 tqdm==4.70.1 setuptools==84.2.1 wheel==0.48.0
 DS_BUILD_OPS=0 pipi openrlhf --no-deps --no-build-isolation deepspeed==0.19.6
 # DeepSpeed's own imports, checked so a venv that misses one is never marked ready (a CI run
 # found `packaging` absent); importing deepspeed itself can fail once (check_openrlhf.py reruns).
