@@ -116,8 +116,9 @@ def apply_lora(
     ``model`` is modified in place (its linear layers gain adapters) and returned wrapped as
     a ``peft.PeftModelForCausalLM``, which the training engines take as they take ``model``.
 
+    >>> from trainers.models import char_tokenizer, tiny_qwen2
     >>> policy = apply_lora(tiny_qwen2(char_tokenizer()), rank=4)
-    >>> sorted({n.split(".")[-2] for n, p in policy.named_parameters() if p.requires_grad})
+    >>> sorted({n.split(".")[-3] for n, p in policy.named_parameters() if p.requires_grad})
     ['lora_A', 'lora_B']
     """
     targets = _check_lora_args(model, rank, alpha, dropout, target_modules)
@@ -205,7 +206,11 @@ def merged_weights(peft_model: Any, dtype: torch.dtype | None = None) -> Iterato
     Other tensors are detached views of the live parameters unless ``dtype`` asks for a
     cast: consume them before the next optimizer step. ZeRO-3 partitioned models are refused.
 
-    >>> rollout.update_weights(merged_weights(train.model), version=1)
+    >>> from trainers.models import char_tokenizer, tiny_qwen2
+    >>> policy = apply_lora(tiny_qwen2(char_tokenizer()), rank=4)
+    >>> merged = dict(merged_weights(policy))  # rollout.update_weights(merged.items(), version=1)
+    >>> set(tiny_qwen2(char_tokenizer()).state_dict()) - set(merged)  # the tied head: the embedding
+    {'lm_head.weight'}
     """
     return _base_weights(peft_model, merge=True, dtype=dtype)
 

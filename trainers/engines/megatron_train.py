@@ -203,7 +203,8 @@ class MegatronTrainEngine(Offloadable):
     gradients and AdamW state to the host and back (:mod:`trainers.engines.offload`); a method
     that needs them onloads first.
 
-    >>> # torchrun --nproc-per-node 2: MegatronTrainEngine(hf_model, tp=2)  # doctest: +SKIP
+    >>> # under torchrun --nproc-per-node 2:
+    >>> engine = MegatronTrainEngine(hf_model, tp=2)  # doctest: +SKIP
     """
 
     lora_export: str = "merged"
