@@ -426,8 +426,10 @@ def test_zero_mass_student_has_a_finite_gradient(fill):
     torch.testing.assert_close(jsd, ref)
 
 
-def test_the_bucket_floor_is_the_inputs_own_rounding_level():
-    """A tail <= tau = (1 + ln K) eps is 0: bfloat16 log-probs resolve a tail only to ~1e-2."""
+def test_the_bucket_floor_is_float32s_whatever_the_inputs_dtype():
+    """A tail <= tau = (1 + ln K) eps is 0, eps float32's: bfloat16 inputs are upcast first, so
+    a 0.005 tail (below bfloat16's own eps-based floor, ~0.013 at K = 2) is mass, as in float32.
+    Before, the floor was the inputs' own eps and a bfloat16 teacher's tail was dropped."""
     K = 2
     assert _tau(K, torch.bfloat16) > 0.005 > _tau(K)
     t16 = torch.log(torch.tensor([[[0.6, 0.395]]])).to(torch.bfloat16)  # tail ~0.005 (bf16-rounded)
@@ -437,9 +439,9 @@ def test_the_bucket_floor_is_the_inputs_own_rounding_level():
     tail_t = float(-torch.expm1(t.double().logsumexp(-1)))
     assert 0 < tail_t < _tau(K, torch.bfloat16)
     top = float((t.exp() * (t - s)).sum())
-    assert math.isclose(float(topk_forward_kl(s, t16, m).loss), top, rel_tol=1e-6)  # tail dropped
-    with_tail = top + tail_t * math.log(tail_t / 0.2)  # float32 resolves the same tail
+    with_tail = top + tail_t * math.log(tail_t / 0.2)
     assert math.isclose(float(topk_forward_kl(s, t, m).loss), with_tail, rel_tol=1e-5)
+    assert torch.equal(topk_forward_kl(s, t16, m).loss, topk_forward_kl(s, t, m).loss)  # tail kept
     # float64 inputs take float32's floor: the reference of a float32 run computes the same loss
     tiny = torch.tensor([[[-0.5 * _tau(1)]]], dtype=torch.float64)  # tail ~tau / 2
     one = torch.zeros(1, 1, 1, dtype=torch.float64)
@@ -529,10 +531,11 @@ def test_half_precision_is_computed_in_float32():
     top_t = top_t.to(torch.bfloat16)
     for tail in ("bucket", "renormalize"):
         assert topk_jsd(top_s, top_t, m, tail=tail).loss.dtype == torch.float32
-    # the same values in float32 give the same loss (the bucket's floor is the inputs' own: below)
-    out = topk_jsd(top_s, top_t, m, tail="renormalize")
-    ref = topk_jsd(top_s.float(), top_t.float(), m, tail="renormalize")
-    torch.testing.assert_close(out.loss, ref.loss)
+    # the same values in float32 give the same loss, either tail (tests/test_half_precision.py)
+    for tail in ("bucket", "renormalize"):
+        out = topk_jsd(top_s, top_t, m, tail=tail)
+        ref = topk_jsd(top_s.float(), top_t.float(), m, tail=tail)
+        assert torch.equal(out.loss, ref.loss)
     lp = -torch.rand(2, 3).to(torch.bfloat16)
     assert on_policy_distill(lp, lp, m).loss.dtype == torch.float32
 

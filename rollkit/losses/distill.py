@@ -273,18 +273,19 @@ def _check_topk(student: Tensor, teacher: Tensor, mask: Tensor, tail: str) -> No
 
 
 def _tail_floor(k: int, dtype: torch.dtype) -> float:
-    """The level ``tau`` at or below which the bucket tail of ``K`` log-probs of ``dtype`` is
-    taken as 0 (:func:`topk_forward_kl`).
+    """The level ``tau`` at or below which the bucket tail of ``K`` log-probs computed in
+    ``dtype`` (the compute dtype: float32 for 16-bit inputs) is taken as 0 (:func:`topk_forward_kl`).
 
         tau = (1 + ln K) * eps,    eps = max(machine epsilon of dtype, float32's)
 
-    A log-prob ``x_k`` rounded to its dtype is off by at most ``eps / 2 * |x_k|`` (half an
-    ulp), and the normaliser it was computed with by about ``eps / 2``; to first order the
-    tail ``1 - sum_k exp(x_k)`` is then off by at most ``eps / 2 * sum_k p_k (1 + |x_k|)``,
-    which is ``<= eps / 2 * (1 + ln K)`` for ``K >= 3``. ``tau`` is about twice that bound: a
+    A log-prob ``x_k`` rounded to float32 is off by at most ``eps / 2 * |x_k|`` (half an ulp),
+    and the normaliser it was computed with by about ``eps / 2``; to first order the tail
+    ``1 - sum_k exp(x_k)`` is then off by at most ``eps / 2 * sum_k p_k (1 + |x_k|)``, which
+    is ``<= eps / 2 * (1 + ln K)`` for ``K >= 3``. ``tau`` is about twice that bound: a
     smaller tail is rounding residue, not mass. float64 inputs get float32's ``eps`` (they are
-    the reference of a float32 run, which must compute the same loss); bfloat16 / float16
-    inputs their own, coarser one."""
+    the reference of a float32 run, which must compute the same loss), and so do bfloat16 /
+    float16 inputs, which are upcast before any arithmetic: their loss is that of the same
+    values in float32 (see "Precision" in :func:`topk_forward_kl`)."""
     eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
     return (1.0 + math.log(k)) * eps
 
@@ -334,9 +335,12 @@ def _distributions(student: Tensor, teacher: Tensor, mask: Tensor, tail: str):
         log_s = s - s.logsumexp(-1, keepdim=True)
         log_t = t - t.logsumexp(-1, keepdim=True)
         return log_s.exp(), log_s, log_t.exp(), log_t
-    # each tail at its own inputs' rounding level (a float32 student, a bfloat16 teacher: two)
-    tail_s, log_tail_s = _bucket_tail(s, _tail_floor(k, student.dtype), dtype)
-    tail_t, log_tail_t = _bucket_tail(t, _tail_floor(k, teacher.dtype), dtype)
+    # the floor of the compute dtype, not of the inputs' storage dtype: 16-bit inputs are
+    # upcast above, and their loss is the float32 loss of the same values (bfloat16's eps would
+    # drop a confident student's tail, and with it most of the gradient)
+    floor = _tail_floor(k, dtype)
+    tail_s, log_tail_s = _bucket_tail(s, floor, dtype)
+    tail_t, log_tail_t = _bucket_tail(t, floor, dtype)
     p_s = torch.cat([s.exp(), tail_s], -1)
     p_t = torch.cat([t.exp(), tail_t], -1)
     return p_s, torch.cat([s, log_tail_s], -1), p_t, torch.cat([t, log_tail_t], -1)
@@ -408,8 +412,8 @@ def topk_forward_kl(
       Precision: ``p_.,tail = -expm1(lse)`` and ``log p_.,tail = log1mexp(lse)``, ``lse =
       logsumexp_k log p_.,k``, are computed in float64 from the inputs (float32 on MPS), so
       float32 inputs give the loss and gradient of float64 to float32 rounding. A tail
-      ``<= tau = (1 + ln K) * eps`` (``eps``: float32's machine epsilon, or the inputs' own if
-      coarser, as for bfloat16) is within the rounding of the inputs themselves and is taken
+      ``<= tau = (1 + ln K) * eps`` (``eps``: float32's machine epsilon, whatever the inputs'
+      dtype) is within float32's rounding of the log-probs and their normaliser and is taken
       as 0: probability 0 (no term, no gradient) and, as the other model's log, ``log tau``.
       A teacher whose top-k hold all the mass (``K = V``) then adds no tail term to the forward
       KL; a student that puts mass ``m`` where the teacher's tail is 0 pays ``m log(m / tau)``
@@ -417,6 +421,14 @@ def topk_forward_kl(
     * ``"renormalize"``: both restricted to the top-k and renormalised over it (the KL of the
       conditionals given "the token is in the teacher's top-k"); it ignores how much mass the
       student puts outside.
+
+    Half precision: bfloat16 / float16 inputs are upcast to float32 before any arithmetic
+    (either tail): the loss (float32) is that of the same values in float32, and the gradient
+    the float32 one rounded once to the inputs' dtype. What 16-bit storage costs is in the
+    values themselves: rounding ``log p_k`` moves the tail it implies by up to ``eps16 / 2 *
+    sum_k p_k |log p_k|``, small next to a confident student's tail at small ``K`` (top-1
+    0.99-0.9999, ``K = 2``: 0.7% of it in bfloat16, median) but not at large ``K`` (a tail of
+    ~1e-4 at ``K = 32``: 8.5%, median). Keep the top-k log-probs in float32 where that matters.
 
     verl's ``forward_kl_topk`` sums the top-k terms without a tail or renormalisation (not a
     divergence: it can be negative, and verl clamps it at 0); rollkit offers the two
@@ -431,8 +443,9 @@ def topk_forward_kl(
         tail: ``"bucket"`` or ``"renormalize"``.
 
     Returns:
-        ``LossOutput(loss [B, T], metrics)``; metrics over valid tokens: ``kl``,
-        ``student_topk_mass``, ``teacher_topk_mass`` (means of ``sum_k p_.,k``).
+        ``LossOutput(loss [B, T], metrics)``, in the compute dtype (float32 for 16-bit
+        inputs); metrics over valid tokens: ``kl``, ``student_topk_mass``,
+        ``teacher_topk_mass`` (means of ``sum_k p_.,k``).
 
     >>> teacher = torch.log(torch.tensor([[[0.6, 0.3]]]))          # tail 0.1
     >>> student = torch.log(torch.tensor([[[0.5, 0.3]]])).requires_grad_()   # tail 0.2
@@ -455,7 +468,7 @@ def topk_reverse_kl(
 
         L_t = sum_k p_s,k (log p_s,k - log p_t,k)  [+ p_s,tail (log p_s,tail - log p_t,tail)]
 
-    Same inputs and ``tail`` convention as :func:`topk_forward_kl`. Mode-seeking (the GKD
+    Same inputs, ``tail`` convention and precision as :func:`topk_forward_kl`. Mode-seeking (the GKD
     paper's ``beta = 1``, MiniLLM's objective): the student concentrates on the teacher's
     likely tokens. Computed exactly over the ``K (+1)`` outcomes, unlike the sampled-token
     estimate of :func:`on_policy_distill`, which needs only one teacher log-prob per token
@@ -490,8 +503,8 @@ def topk_jsd(
         L_t = beta * KL(P_t || M) + (1 - beta) * KL(P_s || M)          0 < beta < 1
         L_t = KL(P_t || P_s)  (forward)  if beta = 0;   KL(P_s || P_t)  (reverse)  if beta = 1
 
-    over the teacher's top-k tokens and a tail (same inputs and ``tail`` convention as
-    :func:`topk_forward_kl`). This is TRL's ``generalized_jsd_loss`` (GKDTrainer; the same
+    over the teacher's top-k tokens and a tail (same inputs, ``tail`` convention and
+    precision as :func:`topk_forward_kl`). This is TRL's ``generalized_jsd_loss`` (GKDTrainer; the same
     ``beta`` and the same special cases), per token instead of reduced: with ``K = V`` (the
     full vocabulary) the two agree to float round-off. ``beta = 0.5`` is the symmetric JSD,
     bounded by ``log 2``.
