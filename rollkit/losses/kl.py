@@ -35,6 +35,13 @@ dtype's largest finite value. The loss terms fold ``coef`` in before squaring (`
 (2 coef h) h`` with ``h = logprobs / 2 - ref_logprobs / 2``, which cannot overflow), so
 ``coef = 0.001`` times a huge k2 is finite when the float64 product is, and ``coef = 0``
 gives exactly 0 for finite input (not ``0 * inf = NaN``).
+
+Half precision (bfloat16 / float16 inputs): every estimate is the float32 one of the same
+values rounded once to the inputs' dtype, value and gradient. k2 and k3 compute in float32
+and cast back; k1, the k1+ value and the straight-through gradient ``d`` are one subtraction
+in the inputs' dtype, which torch carries out in float32 and rounds once. The loss terms (:func:`kl_loss`, :func:`kl_penalty`,
+:func:`apply_kl_penalty`) upcast first and return float32, equal to the upcast inputs' result
+(tested in ``tests/test_half_precision.py``).
 """
 
 from __future__ import annotations
@@ -147,14 +154,22 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     expectation on-policy, the gradient of KL(pi_theta || pi_ref), which is why the
     straight-through ``"k1+"`` / ``"k3+"`` borrow it. verl ``kl_penalty="mse"``.
 
+    Half-precision inputs are computed in float32 and the result is cast back to the input
+    dtype (as :func:`kl_k3`): one rounding, so the value is the float32 one rounded to the
+    dtype (in bfloat16 itself, ``d`` and ``d * d`` were rounded twice, up to ~3 half-ulps off);
+    the gradient is ``d`` rounded once.
+
     Shapes: ``[*]`` and ``[*]`` -> ``[*]``.
 
     >>> kl_k2(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0]))
     tensor([0.5000, 0.5000])
     """
     _check_pair(logprobs, ref_logprobs)
-    d = logprobs - ref_logprobs
-    return (0.5 * d) * d  # not 0.5 * d^2: d^2 overflows float32 for |d| > 1.8e19, k2 only above 2.6e19
+    out_dtype = torch.promote_types(logprobs.dtype, ref_logprobs.dtype)
+    dtype = torch.promote_types(out_dtype, torch.float32)
+    d = logprobs.to(dtype) - ref_logprobs.to(dtype)
+    # not 0.5 * d^2: d^2 overflows float32 for |d| > 1.8e19, k2 only above 2.6e19
+    return ((0.5 * d) * d).to(out_dtype)
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, clamp: float | None = 10.0) -> Tensor:
