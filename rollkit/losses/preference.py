@@ -8,6 +8,15 @@ Reduce it with :func:`aggregate_pairs` (the mean over pairs, with a global pair 
 micro-batches and data-parallel ranks). Metrics are TRL's: ``rewards/chosen``,
 ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins`` (means over the pairs of
 this call). Guide: ``docs/distillation.md``.
+
+Precision: bfloat16 / float16 inputs are upcast to float32 before any arithmetic (the
+differences, the length normalisation, ``logsigmoid``, ORPO's ``log1mexp``): the loss and the
+metrics are float32 and equal those of the same values upcast, and the gradient is the float32
+one rounded once to the inputs' dtype (``tests/test_half_precision.py``). What 16 bits cannot
+hold is the input itself: a summed sequence log-prob of -300 is stored in bfloat16 to +-1 nat
+(its ulp is 2), enough to move a DPO margin ``h`` by up to 4. Pass the float32 sums of
+:func:`rollkit.losses.sequence_logprobs` (float32 for half-precision token log-probs), not a
+16-bit copy of them.
 """
 
 from __future__ import annotations
