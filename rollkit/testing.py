@@ -31,6 +31,22 @@ parameter                draws
                          ``"cuda"``)
 =======================  ===================================================================
 
+Strategies for the multi-turn (agentic) layouts:
+
+==========================  ================================================================
+strategy                    draws
+==========================  ================================================================
+``chunk_ids(mask)``         ``[B, T]`` interaction-chunk (turn) ids of the valid tokens of a
+                            mask, for IPA's chunk primitives (:mod:`rollkit.losses.ipa`):
+                            turns of any length, spanning masked holes, arbitrary ids (the
+                            same id in several rows), garbage ids under the mask;
+                            ``interleaved=True``: non-contiguous chunks
+``step_batches()``          the step layout of :mod:`rollkit.advantages.agentic` (one row per
+                            turn): ``step_rewards``, ``traj_ids``, ``step_index``,
+                            ``group_ids`` (constant per episode), ``state_ids``; ragged
+                            episodes in a shuffled order, arbitrary ids, optional gaps
+==========================  ================================================================
+
 Strategies for *invalid* input, to test that a primitive rejects it by name (a ``ValueError``
 or ``TypeError`` whose message starts with the argument's name) instead of crashing inside
 torch or answering silently:
@@ -78,6 +94,7 @@ __all__ = [
     "assert_float64_close",
     "batches",
     "check_float64_agreement",
+    "chunk_ids",
     "dims",
     "float_tensors",
     "group_ids",
@@ -90,6 +107,7 @@ __all__ = [
     "non_tensors",
     "rewards",
     "shapes",
+    "step_batches",
 ]
 
 
@@ -432,6 +450,125 @@ _TOKEN_FLOAT_KEYS = (
     "advantages",
     "token_rewards",
 )
+
+
+# --------------------------------------------------------------------------- agentic layouts
+
+_GARBAGE_IDS = (-1, 0, 3, 2**40, -(2**40))
+
+
+@st.composite
+def chunk_ids(draw, mask: torch.Tensor, *, max_chunks: int | None = None, interleaved: bool = False):
+    """``[B, T]`` int64 interaction-chunk ids for the bool ``[B, T]`` ``mask``, as IPA's
+    chunk primitives take them (``TrajectoryBatch.step_ids``: the turn of each action token).
+
+    On each row the valid tokens are cut into turns at drawn positions (a new turn may start
+    at any valid token, so a turn may span masked positions: tool and environment tokens) and
+    the turns are numbered by a drawn offset and stride per row, so the ids are arbitrary
+    (not ``0..C-1``, possibly negative) and the same id occurs in several rows (each row's own
+    chunk). ``max_chunks`` bounds the turns of a row. ``interleaved=True`` instead draws each
+    valid token's turn among ``max_chunks`` (default 3) values: chunks that are not contiguous,
+    in any order. Where ``mask`` is False the ids are garbage (``-1``, ``0``, ``+-2**40``,
+    ...), which rollkit ignores: valid input.
+
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=10, database=None)
+    ... @given(chunk_ids(torch.tensor([[True, True, False, True], [False, True, True, True]])))
+    ... def test(ids):
+    ...     assert ids.shape == (2, 4) and ids.dtype == torch.int64
+    >>> test()
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 2:
+        raise ValueError("mask: expected a [B, T] bool tensor")
+    if max_chunks is not None and max_chunks < 1:
+        raise ValueError(f"max_chunks: expected >= 1, got {max_chunks}")
+    b, t = mask.shape
+    n = b * t
+    if interleaved:
+        k = 3 if max_chunks is None else max_chunks
+        turn = _int_list(draw, st.integers(0, k - 1), n)
+    else:
+        starts = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.bool)
+        turn = (starts.reshape(b, t) & mask).to(torch.int64).cumsum(-1).reshape(-1)
+        if max_chunks is not None:
+            turn = turn.clamp(max=max_chunks - 1)
+    offset = _int_list(draw, st.integers(-5, 20), b).unsqueeze(-1)
+    stride = _int_list(draw, st.sampled_from([1, 2, 7]), b).unsqueeze(-1)
+    junk = _int_list(draw, st.sampled_from(_GARBAGE_IDS), n).reshape(b, t)
+    return torch.where(mask, offset + stride * turn.reshape(b, t), junk)
+
+
+def _int_list(draw, elems, n: int) -> torch.Tensor:
+    """``[n]`` int64 tensor of drawn ``elems``."""
+    return torch.tensor(draw(st.lists(elems, min_size=n, max_size=n)), dtype=torch.int64).reshape(n)
+
+
+@st.composite
+def step_batches(
+    draw,
+    *,
+    min_traj: int = 1,
+    max_traj: int = 7,
+    max_len: int = 5,
+    n_states: int = 3,
+    max_groups: int = 3,
+    gaps: bool = False,
+    binary_rewards: bool | None = None,
+    extreme: bool = False,
+    huge: bool = False,
+    device: torch.device | str | None = None,
+):
+    """A step-wise agent batch (one row per turn), the layout of
+    :mod:`rollkit.advantages.agentic` and :func:`rollkit.advantages.ipa_advantages`: a dict of
+    ``[N]`` tensors ``step_rewards`` (float), ``traj_ids``, ``step_index``, ``group_ids`` and
+    ``state_ids`` (int64).
+
+    ``min_traj..max_traj`` episodes (``min_traj=0`` allows ``N = 0``) of ``1..max_len`` steps
+    each, with arbitrary distinct episode ids, assigned to task groups by :func:`group_ids`
+    (at most ``max_groups``; the group is constant over an episode, singletons included);
+    states from an alphabet of ``n_states`` (so that steps of several episodes share a state,
+    GiGPO's anchors); the rows shuffled. ``step_index`` counts ``0, 1, 2, ...`` per episode,
+    or with ``gaps=True`` skips turns (steps ``1`` or ``2`` apart). Rewards are drawn by
+    :func:`rewards` (0/1 when ``binary_rewards``; drawn either way when ``None``;
+    ``extreme`` / ``huge`` as there). ``device`` moves every tensor there.
+
+    >>> from hypothesis import given, settings
+    >>> from rollkit.advantages import discounted_return_advantages
+    >>> @settings(max_examples=10, database=None)
+    ... @given(step_batches(gaps=True))
+    ... def test(b):
+    ...     adv = discounted_return_advantages(b["step_rewards"], b["traj_ids"], b["step_index"], b["group_ids"])
+    ...     assert adv.shape == b["step_rewards"].shape
+    >>> test()
+    """
+    num_traj = draw(st.integers(min_traj, max_traj))
+    traj_group = draw(group_ids(num_traj, max_groups=max_groups)).tolist()
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=num_traj, max_size=num_traj))
+    traj_label = draw(st.lists(st.integers(-50, 50), min_size=num_traj, max_size=num_traj, unique=True))
+    rows = []  # (traj, step, group)
+    for j in range(num_traj):
+        step = 0
+        for _ in range(lengths[j]):
+            rows.append((traj_label[j], step, traj_group[j]))
+            step += draw(st.integers(1, 2)) if gaps else 1
+    n = len(rows)
+    order = draw(st.permutations(range(n)))
+    rows = [rows[i] for i in order]
+    states = draw(st.lists(st.integers(0, n_states - 1), min_size=n, max_size=n))
+    binary = draw(st.booleans()) if binary_rewards is None else binary_rewards
+    r = draw(rewards(n, binary=binary, extreme=extreme and not binary, huge=huge and not binary))
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int64).reshape(-1)
+
+    out = {
+        "step_rewards": r,
+        "traj_ids": ints([row[0] for row in rows]),
+        "step_index": ints([row[1] for row in rows]),
+        "group_ids": ints([row[2] for row in rows]),
+        "state_ids": ints(states),
+    }
+    return out if device is None else {k: v.to(device) for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------- invalid input

@@ -1,5 +1,7 @@
 """The public strategies generate valid input, including the edge cases they promise."""
 
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -284,3 +286,113 @@ def test_invalid_masks_reach_every_kind():
 
     probe()
     assert seen == {"non-tensor", "None", "dtype", "more dims", "fewer dims", "size"}, seen
+
+
+# --------------------------------------------------------------------------- agentic layouts
+
+
+@given(st.data())
+def test_chunk_ids_are_valid_turn_ids(data):
+    from rollkit.testing import chunk_ids
+
+    B, T = data.draw(shapes(max_batch=5, max_len=8))
+    m = data.draw(masks(B, T))
+    interleaved = data.draw(st.booleans())
+    k = data.draw(st.sampled_from([None, 1, 2]))
+    ids = data.draw(chunk_ids(m, max_chunks=k, interleaved=interleaved))
+    assert ids.dtype == torch.int64 and ids.shape == (B, T)
+    for i in range(B):
+        valid = ids[i][m[i]]
+        if k is not None:
+            assert len(valid.unique()) <= k
+        if not interleaved and len(valid) > 1:  # turns: non-decreasing along the row (stride > 0)
+            assert (valid[1:] >= valid[:-1]).all()
+
+
+def test_chunk_ids_reach_holes_shared_ids_garbage_and_interleaving():
+    from rollkit.testing import chunk_ids
+
+    seen = set()
+
+    @settings(max_examples=200, derandomize=True)
+    @given(st.data())
+    def probe(data):
+        m = data.draw(masks(3, 6))
+        interleaved = data.draw(st.booleans())
+        ids = data.draw(chunk_ids(m, interleaved=interleaved))
+        for i in range(3):
+            cols = m[i].nonzero().flatten().tolist()
+            v = ids[i].tolist()
+            if len({v[c] for c in cols}) > 1:
+                seen.add("several turns")
+            # a turn spanning a masked position: equal ids on both sides of a hole
+            for a, b in itertools.pairwise(cols):
+                if b > a + 1 and v[a] == v[b]:
+                    seen.add("turn across a hole")
+            # a chunk that is not contiguous among the valid tokens: id x, then y, then x
+            seq = [v[c] for c in cols]
+            if any(seq[j] != seq[j + 1] and seq[j] in seq[j + 2 :] for j in range(len(seq) - 1)):
+                seen.add("interleaved")
+        shared = set(ids[0][m[0]].tolist()) & set(ids[1][m[1]].tolist())
+        if shared:
+            seen.add("id in two rows")
+        if (ids[~m] < 0).any() or (ids[~m].abs() >= 2**40).any():
+            seen.add("garbage")
+
+    probe()
+    assert seen == {"several turns", "turn across a hole", "interleaved", "id in two rows", "garbage"}, seen
+
+
+@given(st.data())
+def test_step_batches_are_valid_step_layouts(data):
+    from rollkit.testing import step_batches
+
+    gaps = data.draw(st.booleans())
+    b = data.draw(step_batches(min_traj=0, gaps=gaps, extreme=data.draw(st.booleans())))
+    check_batch(b, list(b))
+    n = b["step_rewards"].shape[0]
+    assert set(b) == {"step_rewards", "traj_ids", "step_index", "group_ids", "state_ids"}
+    assert torch.isfinite(b["step_rewards"]).all()
+    pairs = list(zip(b["traj_ids"].tolist(), b["step_index"].tolist()))
+    assert len(set(pairs)) == n and all(s >= 0 for _, s in pairs)
+    for t in b["traj_ids"].unique():
+        sel = b["traj_ids"] == t
+        assert len(b["group_ids"][sel].unique()) == 1  # one task group per episode
+        steps = sorted(b["step_index"][sel].tolist())
+        assert steps[0] == 0
+        if not gaps:
+            assert steps == list(range(len(steps)))
+
+
+def test_step_batches_reach_the_edges():
+    from rollkit.testing import step_batches
+
+    seen = set()
+
+    @settings(max_examples=200, derandomize=True)
+    @given(step_batches(min_traj=0, gaps=True))
+    def probe(b):
+        n = b["step_rewards"].shape[0]
+        if n == 0:
+            seen.add("N=0")
+            return
+        steps = b["step_index"]
+        for t in b["traj_ids"].unique():
+            s = sorted(steps[b["traj_ids"] == t].tolist())
+            if any(y - x > 1 for x, y in itertools.pairwise(s)):
+                seen.add("gap")
+        order = b["traj_ids"].tolist()
+        if any(x != y for x, y in zip(order, sorted(order))):
+            seen.add("shuffled")
+        _, counts = torch.unique(b["group_ids"], return_counts=True)
+        if len(counts) > 1:
+            seen.add("several groups")
+        key = b["group_ids"] * 1000 + b["state_ids"]
+        traj_of = {}
+        for k, t in zip(key.tolist(), b["traj_ids"].tolist()):
+            traj_of.setdefault(k, set()).add(t)
+        if any(len(v) > 1 for v in traj_of.values()):
+            seen.add("shared anchor state")
+
+    probe()
+    assert seen == {"N=0", "gap", "shuffled", "several groups", "shared anchor state"}, seen
