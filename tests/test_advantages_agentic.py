@@ -8,43 +8,13 @@ from hypothesis import strategies as st
 
 from rollkit.advantages.agentic import (
     anchor_state_index,
+    discounted_return_advantages,
     discounted_step_returns,
     gigpo_advantages,
     starpo_advantages,
 )
 from rollkit.registry import ADVANTAGE_ESTIMATORS
-from rollkit.testing import group_ids, rewards
-
-# --------------------------------------------------------------------------- strategies
-
-
-@st.composite
-def step_batches(draw, *, max_traj: int = 7, max_len: int = 5, n_states: int = 3, gaps: bool = False):
-    """A step-wise agent batch: trajectories of ragged lengths, assigned to task groups with
-    `rollkit.testing.group_ids`, states from a small alphabet (so that anchors collide), in a
-    shuffled order, with arbitrary (non-contiguous) trajectory ids."""
-    num_traj = draw(st.integers(1, max_traj))
-    traj_group = draw(group_ids(num_traj, max_groups=3)).tolist()
-    lengths = draw(st.lists(st.integers(1, max_len), min_size=num_traj, max_size=num_traj))
-    traj_label = draw(st.lists(st.integers(-50, 50), min_size=num_traj, max_size=num_traj, unique=True))
-    rows = []  # (traj, step, group)
-    for j in range(num_traj):
-        t = 0
-        for _ in range(lengths[j]):
-            rows.append((traj_label[j], t, traj_group[j]))
-            t += draw(st.integers(1, 2)) if gaps else 1
-    n = len(rows)
-    order = draw(st.permutations(range(n)))
-    rows = [rows[i] for i in order]
-    states = draw(st.lists(st.integers(0, n_states - 1), min_size=n, max_size=n))
-    r = draw(rewards(n, binary=draw(st.booleans())))
-    return {
-        "step_rewards": r,
-        "traj_ids": torch.tensor([row[0] for row in rows]),
-        "step_index": torch.tensor([row[1] for row in rows]),
-        "group_ids": torch.tensor([row[2] for row in rows]),
-        "state_ids": torch.tensor(states),
-    }
+from rollkit.testing import group_ids, rewards, step_batches
 
 
 def _args(b):
@@ -654,3 +624,83 @@ def test_agentic_estimators_check_devices_and_refuse_meta_by_name():
 
     with value_checks(False), pytest.raises(ValueError, match=r"^traj_ids: is on the meta device"):
         discounted_step_returns(*meta[:3])
+
+
+# --------------------------------------------------------------------------- discounted-return advantages
+
+
+@given(step_batches(gaps=True), st.sampled_from([0.0, 0.5, 0.95, 1.0]), st.sampled_from(["none", "std"]))
+def test_discounted_return_advantages_match_loop_reference(b, gamma, norm):
+    """``rollkit.testing.step_batches`` (shuffled, ragged, gaps, arbitrary ids) against a plain
+    loop: the discounted returns-to-go, centred (and scaled) within each task group."""
+    r, traj, step, group = b["step_rewards"].double(), b["traj_ids"], b["step_index"], b["group_ids"]
+    out = discounted_return_advantages(r, traj, step, group, gamma=gamma, norm=norm)
+    ret = ref_returns(r, traj, step, gamma).tolist()
+    ref = torch.tensor(ref_normalize(ret, group.tolist(), norm), dtype=torch.float64)
+    torch.testing.assert_close(out, ref, rtol=1e-7, atol=1e-7)
+    for g in group.unique():  # centred within each task group
+        assert abs(float(out[group == g].sum())) <= 1e-9 * (1 + float(r.abs().sum()))
+
+
+@given(step_batches(), st.data(), st.sampled_from([(7, 3), (-1, 1000)]))
+def test_discounted_return_advantages_permutation_and_relabelling_invariant(b, data, affine):
+    r, traj, step, group = b["step_rewards"], b["traj_ids"], b["step_index"], b["group_ids"]
+    out = discounted_return_advantages(r, traj, step, group, gamma=0.9)
+    perm = torch.tensor(data.draw(st.permutations(range(len(r)))), dtype=torch.int64)
+    out_p = discounted_return_advantages(r[perm], traj[perm], step[perm], group[perm], gamma=0.9)
+    torch.testing.assert_close(out_p, out[perm])
+    a, c = affine
+    torch.testing.assert_close(
+        discounted_return_advantages(r, a * traj + c, step, a * group - c, gamma=0.9), out
+    )
+
+
+@given(step_batches(min_traj=2), st.data())
+def test_discounted_return_advantages_refuse_group_ids_changing_within_an_episode(b, data):
+    """The rule of every estimator of the module (GiGPO's check, shared): an episode belongs to
+    one task group. Before, the steps of one episode were silently compared with two groups."""
+    r, traj, step, group = b["step_rewards"], b["traj_ids"], b["step_index"], b["group_ids"]
+    long_traj = [t for t in traj.unique().tolist() if int((traj == t).sum()) > 1]
+    if not long_traj:
+        return
+    t = data.draw(st.sampled_from(long_traj))
+    i = int((traj == t).nonzero()[0])
+    bad = group.clone()
+    bad[i] = int(group.max()) + 1  # one step of episode t claims another group
+    with pytest.raises(
+        ValueError, match=r"^group_ids: must be constant within each trajectory; 1 trajectory"
+    ):
+        discounted_return_advantages(r, traj, step, bad)
+    from rollkit.validation import value_checks
+
+    with value_checks(False):  # a value check: off inside value_checks(False)
+        assert discounted_return_advantages(r, traj, step, bad).shape == r.shape
+
+
+def test_discounted_return_advantages_bad_input_is_named():
+    r, traj, step, g = (
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([0, 0]),
+        torch.tensor([0, 1]),
+        torch.tensor([3, 3]),
+    )
+    with pytest.raises(ValueError, match=r"^group_ids: must be constant within each trajectory"):
+        discounted_return_advantages(r, traj, step, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=r"^group_ids: is on device meta but step_rewards is on cpu$"):
+        discounted_return_advantages(r, traj, step, g.to("meta"))
+    with pytest.raises(ValueError, match=r"^group_ids: expected an integer tensor"):
+        discounted_return_advantages(r, traj, step, g.float())
+    with pytest.raises(ValueError, match=r"^group_ids: has 1 entries"):
+        discounted_return_advantages(r, traj, step, g[:1])
+    with pytest.raises(ValueError, match=r"^norm: must be one of"):
+        discounted_return_advantages(r, traj, step, g, norm="batch")
+    with pytest.raises(ValueError, match=r"^eps: must be >= 0"):
+        discounted_return_advantages(r, traj, step, g, eps=-1.0)
+    with pytest.raises(ValueError, match=r"^gamma: must be in"):
+        discounted_return_advantages(r, traj, step, g, gamma=2.0)
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert discounted_return_advantages(torch.zeros(0), empty, empty, empty).shape == (0,)
+    # the registry entry (ADVANTAGE_ESTIMATORS["discounted_return"]) is the same function
+    batch = {"step_rewards": r, "traj_ids": traj, "step_index": step, "group_ids": torch.tensor([3, 4])}
+    with pytest.raises(ValueError, match=r"^group_ids: must be constant"):
+        ADVANTAGE_ESTIMATORS.entry("discounted_return").call(batch)

@@ -56,7 +56,6 @@ from rollkit.ops import (
     _segment_std,
     _segment_sum,
     group_index,
-    group_normalize,
 )
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
@@ -96,6 +95,14 @@ def _constant_within(name: str, values: Tensor, index: Tensor, num_segments: int
         raise ValueError(
             f"{name}: must be constant within each {what}; {int(bad.sum())} {what}(s) hold several values"
         )
+
+
+def _task_groups(group_ids: Tensor, t_idx: Tensor, num_traj: int) -> tuple[Tensor, int]:
+    """Dense index of the task groups ``(g_idx [N], G)``; raises unless every trajectory (dense
+    index ``t_idx``) claims one task group (the rule of every estimator of this module)."""
+    g_idx, num_groups = group_index(group_ids)
+    _constant_within("group_ids", g_idx, t_idx, num_traj, "trajectory")
+    return g_idx, num_groups
 
 
 def _check_step_inputs(step_rewards: Tensor, traj_ids: Tensor, step_index: Tensor) -> None:
@@ -283,16 +290,38 @@ def discounted_return_advantages(
     to the reward gets more credit than an early one (``gamma < 1``). Used with one sample
     per turn (``rollout.sample_per=turn`` of the agentic trainer), where each turn is a row.
 
+    The inputs follow the conventions of this module (steps in any order, arbitrary ids, gaps
+    in ``step_index`` as zero-reward turns, a constant or singleton group gives exactly 0,
+    ``N = 0`` an empty result; ``std`` Bessel-corrected). ``group_ids`` must be constant over
+    the steps of an episode, as in :func:`gigpo_advantages`: an episode that claims two task
+    groups raises ``ValueError`` naming ``group_ids`` (a value check, skipped inside
+    ``rollkit.validation.value_checks(False)``); so do non-integer ids, a length or device
+    other than ``step_rewards``'.
+
+    Args:
+        step_rewards: ``[N]`` float, finite. traj_ids: ``[N]`` int.
+        step_index: ``[N]`` int ``>= 0``, ``(traj_id, step_index)`` unique.
+        group_ids: ``[N]`` int, constant per episode.
+        gamma: discount in ``[0, 1]``. norm: ``"std"`` or ``"none"``. eps: ``>= 0``.
+
     >>> r = torch.tensor([0.0, 1.0, 0.0, 0.0])
     >>> traj, step, group = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 0, 0])
     >>> discounted_return_advantages(r, traj, step, group, gamma=0.5, norm="none")
     tensor([ 0.1250,  0.6250, -0.3750, -0.3750])
     """
+    _check_step_inputs(step_rewards, traj_ids, step_index)
+    n = step_rewards.shape[0]
+    check_group_ids("group_ids", group_ids, n)
+    check_same_device("group_ids", group_ids, "step_rewards", step_rewards)
+    check_discount("gamma", gamma)
     check_choice("norm", norm, _NORMS)
-    ret = discounted_step_returns(step_rewards, traj_ids, step_index, gamma=gamma)
-    check_group_ids("group_ids", group_ids, ret.shape[0])
-    index, n = group_index(group_ids)
-    return group_normalize(ret, index, n, scale=norm == "std", eps=eps)
+    check_positive("eps", eps, allow_zero=True)
+    if n == 0:
+        return step_rewards.clone()
+    lay = _step_layout(traj_ids, step_index)
+    g_idx, num_groups = _task_groups(group_ids, lay.t_idx, lay.num_traj)
+    returns = _step_returns(step_rewards, lay, gamma)
+    return _group_normalize(returns, g_idx, num_groups, scale=norm == "std", unbiased=True, eps=eps)
 
 
 def gigpo_advantages(
@@ -409,8 +438,7 @@ def gigpo_advantages(
 
     lay = _step_layout(traj_ids, step_index)
     t_idx, num_traj = lay.t_idx, lay.num_traj
-    g_idx, num_groups = group_index(group_ids)
-    _constant_within("group_ids", g_idx, t_idx, num_traj, "trajectory")
+    g_idx, num_groups = _task_groups(group_ids, t_idx, num_traj)
 
     # ---- episode level: R(tau) per trajectory, normalised within the task group
     if episode_returns is None:
