@@ -15,17 +15,17 @@ from rollkit.advantages import discounted_step_returns, ipa_advantages
 from rollkit.losses import gspo, ppo_clip
 from rollkit.losses.ipa import chunk_clip_mask, chunk_index, chunk_log_ratio, chunk_mask, ipa_loss
 from rollkit.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from rollkit.testing import batches
+from rollkit.testing import (
+    batches,
+    chunk_ids,
+    float_tensors,
+    int_tensors,
+    invalid_masks,
+    non_tensors,
+    step_batches,
+)
 
 _PROPS = settings(max_examples=max(10, settings.default.max_examples // 2), deadline=None)
-
-
-def _chunk_ids(draw, mask: torch.Tensor) -> torch.Tensor:
-    """Turn ids that grow along each row (a new turn may start at any token), -1 off the mask."""
-    b, t = mask.shape
-    starts = torch.tensor(draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t)) or [False])
-    ids = starts[: b * t].view(b, t).long().cumsum(-1) if b * t else torch.zeros(b, t, dtype=torch.long)
-    return torch.where(mask, ids, torch.full_like(ids, -1))
 
 
 # --------------------------------------------------------------------------- hand-computed
@@ -140,7 +140,7 @@ def test_bad_input_is_named():
 @given(batches(garbage_padding=True), st.data())
 def test_on_policy_ratios_are_one(b, data):
     mask, lp = b["response_mask"], b["logprobs"]
-    ids = _chunk_ids(data.draw, mask)
+    ids = data.draw(chunk_ids(mask))
     for reduce in ("mean", "sum"):
         clr = chunk_log_ratio(lp, lp, mask, ids, reduce=reduce)
         assert torch.equal(clr, torch.zeros_like(clr))
@@ -155,7 +155,7 @@ def test_on_policy_ratios_are_one(b, data):
 @given(batches(garbage_padding=True), st.data())
 def test_chunk_ratio_is_the_mean_or_sum_of_its_token_log_ratios(b, data):
     mask, lp, old = b["response_mask"], b["logprobs"], b["old_logprobs"]
-    ids = _chunk_ids(data.draw, mask)
+    ids = data.draw(chunk_ids(mask))
     mean, total = chunk_log_ratio(lp, old, mask, ids), chunk_log_ratio(lp, old, mask, ids, reduce="sum")
     d = torch.where(mask, lp - old, torch.zeros(()))
     for i in range(mask.shape[0]):
@@ -171,7 +171,7 @@ def test_chunk_ratio_is_the_mean_or_sum_of_its_token_log_ratios(b, data):
 @given(batches(), st.data())
 def test_invariances_relabel_permute_pad(b, data):
     mask, lp, old, adv = b["response_mask"], b["logprobs"], b["old_logprobs"], b["advantages"]
-    ids = _chunk_ids(data.draw, mask)
+    ids = data.draw(chunk_ids(mask))
     ref = ipa_loss(lp, old, adv, mask, ids)
     # relabelling the chunk ids (any injective map, order included) changes nothing
     relabel = torch.where(mask, 1000 - 7 * ids, ids)
@@ -193,7 +193,7 @@ def test_invariances_relabel_permute_pad(b, data):
 @given(batches(), st.data())
 def test_chunk_masks_are_constant_on_each_chunk(b, data):
     mask, lp, old = b["response_mask"], b["logprobs"], b["old_logprobs"]
-    ids = _chunk_ids(data.draw, mask)
+    ids = data.draw(chunk_ids(mask))
     clr = chunk_log_ratio(lp, old, mask, ids)
     adv = torch.randn(mask.shape[0])  # chunk-constant advantages
     index, _, _ = chunk_index(ids, mask)
@@ -251,3 +251,170 @@ def test_gradcheck_float64():
             lambda x, r=reduce: ipa_loss(x, old, adv, mask, ids, reduce=r, clip_low=0.5, clip_high=0.5).loss,
             (lp,),
         )
+
+
+# --------------------------------------------------------------------------- rollkit.testing reaches the chunk primitives
+
+
+@_PROPS
+@given(batches(), st.booleans(), st.data())
+def test_chunk_index_is_the_partition_of_a_loop(b, interleaved, data):
+    """``chunk_index`` on ``rollkit.testing.chunk_ids`` (turns across holes, interleaved chunks,
+    the same id in several rows, garbage under the mask) against a plain loop: one unit per
+    ``(row, id)`` of the valid tokens and one per row for its invalid tokens, numbered by
+    sorted ``(row, valid, id)``."""
+    mask = b["response_mask"]
+    ids = data.draw(chunk_ids(mask, interleaved=interleaved))
+    index, valid, n = chunk_index(ids, mask)
+    units: dict[tuple, list] = {}
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            key = (i, 1, int(ids[i, t])) if mask[i, t] else (i, 0, 0)
+            units.setdefault(key, []).append((i, t))
+    assert index.shape == mask.shape and index.dtype == torch.int64
+    assert n == len(units) and valid.shape == (n,)
+    for c, key in enumerate(sorted(units)):
+        assert {int(index[i, t]) for i, t in units[key]} == {c}
+        assert bool(valid[c]) == bool(key[1])
+    # ids=None: one chunk per row, i.e. any constant ids
+    torch.testing.assert_close(chunk_index(None, mask)[0], chunk_index(torch.zeros_like(ids), mask)[0])
+
+
+@_PROPS
+@given(batches(garbage_padding=True), st.data())
+def test_chunk_clip_mask_is_the_formula_and_exactly_where_ipa_loss_has_no_gradient(b, data):
+    mask, lp, old = b["response_mask"], b["logprobs"], b["old_logprobs"]
+    ids = data.draw(chunk_ids(mask, interleaved=data.draw(st.booleans())))
+    lo, hi = data.draw(st.sampled_from([0.0, 0.1, 0.2, 1.0])), data.draw(st.sampled_from([0.0, 0.2, 0.5]))
+    adv = data.draw(float_tensors((mask.shape[0],), min_value=-2.0, max_value=2.0))  # constant per chunk
+    reduce = data.draw(st.sampled_from(["mean", "sum"]))
+    clr = chunk_log_ratio(lp, old, mask, ids, reduce=reduce)
+    clipped = chunk_clip_mask(clr, adv, mask, clip_low=lo, clip_high=hi)
+    # the formula, in float64, away from the rounding of the two boundaries
+    rho, a = clr.double().exp(), adv.double()[:, None].expand(mask.shape)
+    want = mask & (((a > 0) & (rho > 1 + hi)) | ((a < 0) & (rho < 1 - lo)))
+    tie = ((rho - (1 + hi)).abs() < 1e-5) | ((rho - (1 - lo)).abs() < 1e-5)
+    assert torch.equal(clipped[~tie], want[~tie])
+    assert not (clipped & ~mask).any()
+    # exactly ipa_loss's clip set: its clip_frac, and its zero gradient
+    x = lp.clone().requires_grad_(True)
+    out = ipa_loss(x, old, adv, mask, ids, clip_low=lo, clip_high=hi, reduce=reduce)
+    n = int(mask.sum())
+    torch.testing.assert_close(out.metrics["clip_frac"], torch.tensor(int(clipped.sum()) / max(n, 1)))
+    out.loss.sum().backward()
+    assert torch.equal(x.grad[clipped], torch.zeros(int(clipped.sum())))
+    live = mask & ~clipped & (a.abs() > 1e-20)  # unclipped with a non-zero advantage: a gradient
+    assert (x.grad[live] != 0).all()
+
+
+@_PROPS
+@given(batches(nonfinite=("logprobs",)), st.data())
+def test_a_non_finite_log_prob_makes_its_chunk_nan_not_clipped_and_its_loss_nan(b, data):
+    """The documented value of ``chunk_clip_mask`` at a NaN ratio: not clipped (False), as in
+    ``ipa_loss`` (whose loss is then NaN there: the NaN propagates, it does not vanish)."""
+    mask, lp, old = b["response_mask"], b["logprobs"], b["old_logprobs"]
+    ids = data.draw(chunk_ids(mask))
+    index, _, _ = chunk_index(ids, mask)
+    bad = mask & torch.isin(index, index[mask & ~torch.isfinite(lp)])  # tokens of the hit chunks
+    clr = chunk_log_ratio(lp, old, mask, ids)
+    assert torch.isnan(clr[bad]).all() and torch.isfinite(clr[mask & ~bad]).all()
+    for sign in (1.0, -1.0):
+        adv = torch.full((mask.shape[0],), sign)
+        clipped = chunk_clip_mask(clr, adv, mask, clip_low=0.0, clip_high=0.0)
+        assert not clipped[bad].any()
+        out = ipa_loss(lp, old, adv, mask, ids, clip_low=0.0, clip_high=0.0)
+        assert torch.isnan(out.loss[bad]).all() and torch.isfinite(out.loss[~bad]).all()
+        n = max(int(mask.sum()), 1)
+        torch.testing.assert_close(out.metrics["clip_frac"], torch.tensor(int(clipped.sum()) / n))
+    # a NaN advantage is not clipped either
+    nan_adv = torch.full((mask.shape[0],), math.nan)
+    assert not chunk_clip_mask(torch.full_like(clr, 5.0), nan_adv, mask).any()
+
+
+@_PROPS
+@given(batches(), st.data())
+def test_chunk_primitives_refuse_invalid_masks_and_ids_by_name(b, data):
+    mask, lp, old, adv = b["response_mask"], b["logprobs"], b["old_logprobs"], b["advantages"]
+    B, T = mask.shape
+    ids = data.draw(chunk_ids(mask))
+    bad_mask = data.draw(invalid_masks((B, T)))
+    # chunk_index's reference is the mask: a [B', T'] bool mask is a mismatch of the ids' shape
+    with pytest.raises((ValueError, TypeError), match=r"^(mask|chunk_ids): "):
+        chunk_index(ids, bad_mask)
+    # without ids the mask is the only input: any [B', T'] bool mask is valid, nothing else
+    if not (isinstance(bad_mask, torch.Tensor) and bad_mask.dtype == torch.bool and bad_mask.ndim == 2):
+        with pytest.raises((ValueError, TypeError), match=r"^mask: "):
+            chunk_index(None, bad_mask)
+    for call in (
+        lambda m: chunk_log_ratio(lp, old, m, ids),
+        lambda m: chunk_clip_mask(lp, adv, m),
+        lambda m: chunk_mask(lp, m, high=2.0),
+        lambda m: ipa_loss(lp, old, adv, m, ids),
+    ):
+        with pytest.raises((ValueError, TypeError), match=r"^mask: "):
+            call(bad_mask)
+    with pytest.raises((ValueError, TypeError), match=r"^chunk_ids: "):
+        chunk_index(
+            data.draw(non_tensors((B, T)).filter(lambda v: v is not None)), mask
+        )  # None: one chunk a row
+    with pytest.raises((ValueError, TypeError), match=r"^chunk_ids: "):
+        chunk_index(ids.float(), mask)
+    with pytest.raises((ValueError, TypeError), match=r"^advantages: "):
+        chunk_clip_mask(lp, data.draw(int_tensors((B,), dtype=None)), mask)
+    with pytest.raises((ValueError, TypeError), match=r"^chunk_log_ratio: "):
+        chunk_clip_mask(data.draw(non_tensors((B, T))), adv, mask)
+
+
+def test_named_bad_inputs_of_the_issue():
+    """Each bad input the issue lists: a one-line error naming the argument (before: a raw
+    AttributeError / unpacking error, a uint8 mask accepted, torch's device error)."""
+    ids, m = IDS, MASK
+    cases = [
+        (lambda: chunk_index(ids, None), r"^mask: expected a torch\.Tensor, got NoneType$"),
+        (lambda: chunk_index(ids, m.tolist()), r"^mask: expected a torch\.Tensor, got list$"),
+        (lambda: chunk_index(None, m[0]), r"^mask: expected shape \[B, T\], got \[5\]$"),
+        (lambda: chunk_index(ids[0], m[0]), r"^mask: expected shape \[B, T\], got \[5\]$"),
+        (
+            lambda: chunk_index(ids, m.to(torch.uint8)),
+            r"^mask: expected a torch\.bool mask, got dtype torch\.uint8",
+        ),
+        (lambda: chunk_index(ids.to("meta"), m), r"^chunk_ids: is on device meta but mask is on cpu$"),
+        (
+            lambda: chunk_clip_mask(chunk_log_ratio(LP, OLD, m, ids), torch.ones(1, device="meta"), m),
+            r"^advantages: is on device meta but chunk_log_ratio is on cpu$",
+        ),
+    ]
+    for call, match in cases:
+        with pytest.raises((ValueError, TypeError), match=match) as err:
+            call()
+        assert "\n" not in str(err.value)
+    # the same uint8 mask is refused by chunk_log_ratio with the same message
+    with pytest.raises(TypeError, match=r"^mask: expected a torch\.bool mask, got dtype torch\.uint8"):
+        chunk_log_ratio(LP, OLD, m.to(torch.uint8), ids)
+
+
+@_PROPS
+@given(step_batches(gaps=True), st.sampled_from([0.0, 0.9, 1.0]))
+def test_ipa_advantages_on_step_batches(b, gamma):
+    """``ipa_advantages`` on ``rollkit.testing.step_batches``: ``norm="none"`` is the discounted
+    return, ``"batch"`` / ``"group"`` centre it over the batch / within each task group, and the
+    result is invariant under a permutation of the chunks."""
+    r, traj, step, g = b["step_rewards"].double(), b["traj_ids"], b["step_index"], b["group_ids"]
+    ret = discounted_step_returns(r, traj, step, gamma=gamma)
+    torch.testing.assert_close(ipa_advantages(r, traj, step, g, gamma=gamma, norm="none"), ret)
+    scale = 1e-9 * (1 + float(ret.abs().sum()))
+    assert abs(float(ipa_advantages(r, traj, step, gamma=gamma).sum())) <= scale
+    grouped = ipa_advantages(r, traj, step, g, gamma=gamma, norm="group")
+    for k in g.unique():
+        assert abs(float(grouped[g == k].sum())) <= scale
+    perm = torch.arange(len(r)).flip(0)
+    out_p = ipa_advantages(r[perm], traj[perm], step[perm], g[perm], gamma=gamma, norm="group")
+    torch.testing.assert_close(out_p, grouped[perm])
+
+
+def test_ipa_advantages_refuse_group_ids_changing_within_an_episode():
+    r, traj, step = torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0])
+    with pytest.raises(ValueError, match=r"^group_ids: must be constant within each trajectory; 1 traj"):
+        ipa_advantages(r, traj, step, torch.tensor([0, 1, 1]), norm="group")
+    # norm="batch" / "none" ignore the groups (documented)
+    assert ipa_advantages(r, traj, step, torch.tensor([0, 1, 1])).shape == (3,)

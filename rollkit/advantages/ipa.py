@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollkit.advantages.agentic import discounted_step_returns
+from rollkit.advantages.agentic import _task_groups, discounted_step_returns
 from rollkit.keys import ADVANTAGES, GROUP_IDS, STEP_INDEX, STEP_REWARDS, TRAJ_IDS
 from rollkit.ops import _group_index, _group_normalize
 from rollkit.registry import ADVANTAGE_ESTIMATORS
@@ -73,7 +73,9 @@ def ipa_advantages(
     Args:
         step_rewards: ``[N]`` float, finite. traj_ids: ``[N]`` int.
         step_index: ``[N]`` int ``>= 0``, unique per episode.
-        group_ids: ``[N]`` int, required for ``norm="group"``, ignored otherwise.
+        group_ids: ``[N]`` int, required for ``norm="group"`` (then constant over the chunks
+            of an episode, as in :func:`rollkit.advantages.gigpo_advantages`: an episode that
+            claims two task groups raises naming ``group_ids``), ignored otherwise.
         gamma: discount per chunk, in ``[0, 1]``.
         norm: ``"batch"``, ``"group"`` or ``"none"``.
         eps: ``>= 0``, added to the std. unbiased_std: Bessel-corrected std.
@@ -99,7 +101,8 @@ def ipa_advantages(
         if group_ids is None:
             raise ValueError("group_ids: required when norm='group'")
         check_group_ids("group_ids", group_ids, returns.shape[0])
-        index, num = _group_index(group_ids, "group_ids")
+        t_idx, num_traj = _group_index(traj_ids, "traj_ids")
+        index, num = _task_groups(group_ids, t_idx, num_traj)  # one task group per episode
     else:
         index = torch.zeros(returns.shape[0], dtype=torch.int64, device=returns.device)
         num = 1

@@ -53,6 +53,7 @@ from rollkit.validation import (
     check_choice,
     check_float,
     check_int_tensor,
+    check_mask,
     check_positive,
     check_same_device,
     check_same_shape,
@@ -64,10 +65,14 @@ _REDUCES = ("mean", "sum")
 
 
 def _check_chunk_ids(chunk_ids: Tensor | None, mask: Tensor) -> None:
+    """``mask`` a ``[B, T]`` bool tensor (the check of :func:`chunk_log_ratio`'s mask), and
+    ``chunk_ids`` ``None`` or an integer tensor of its shape on its device."""
+    check_mask("mask", mask)
+    if mask.ndim != 2:
+        raise ValueError(f"mask: expected shape [B, T], got {list(mask.shape)}")
     if chunk_ids is not None:
         check_int_tensor("chunk_ids", chunk_ids)
-        check_same_shape("chunk_ids", chunk_ids, "mask", mask)
-        check_same_device("chunk_ids", chunk_ids, "mask", mask)
+        check_same_shape("chunk_ids", chunk_ids, "mask", mask)  # and its device
 
 
 def chunk_index(chunk_ids: Tensor | None, mask: Tensor) -> tuple[Tensor, Tensor, int]:
@@ -83,8 +88,9 @@ def chunk_index(chunk_ids: Tensor | None, mask: Tensor) -> tuple[Tensor, Tensor,
     a row order-preservingly changes nothing.
 
     Args:
-        chunk_ids: ``[B, T]`` int (e.g. the turn of each token), or ``None``.
-        mask: ``[B, T]`` bool, the action tokens.
+        chunk_ids: ``[B, T]`` int (e.g. the turn of each token) on ``mask``'s device, or ``None``.
+        mask: ``[B, T]`` bool, the action tokens. As everywhere in rollkit, anything else (``None``,
+            a list, a ``uint8`` or float mask, a ``[T]`` mask) is refused naming ``mask``.
 
     >>> ids = torch.tensor([[0, 0, -1, 1], [5, 5, 5, 5]])
     >>> m = torch.tensor([[True, True, False, True], [True, True, False, False]])
@@ -196,29 +202,43 @@ def chunk_clip_mask(
     Because ``rho_c`` is one number per chunk, a chunk with a constant advantage (the
     chunk-level advantages of :func:`rollkit.advantages.ipa_advantages`) is clipped as a whole:
     every one of its tokens, or none. This is exactly where :func:`ipa_loss` has a zero
-    gradient; it is reported there as ``clip_frac``.
+    gradient; it is reported there as ``clip_frac``. It is computed by :func:`ipa_loss`'s own
+    comparison (``-A clip(rho) > -A rho``, on ``rho = exp(chunk_log_ratio)`` in the same
+    dtype), so it is that set bit for bit, also where rounding decides.
+
+    Non-finite values follow the policy losses (no value is checked, so no device
+    synchronisation, and the mask runs on ``meta``): a NaN ``log rho_c`` (which
+    :func:`chunk_log_ratio` gives a chunk with a NaN / ``+-inf`` log-prob) or a NaN advantage
+    is **not clipped** (False), as in :func:`ipa_loss`, whose loss and gradient are then NaN at
+    that token: the NaN propagates instead of vanishing silently (:func:`chunk_mask` keeps such
+    a chunk for the same reason). ``+inf`` / ``-inf`` are ordered as usual (clipped with a
+    positive / negative advantage). Values under a False mask never matter.
 
     Args:
         chunk_log_ratio: ``[B, T]`` float, ``log rho_c`` on every token (0 outside the mask).
-        advantages: ``[B, T]`` or ``[B]`` float. mask: ``[B, T]`` bool.
-        clip_low: in ``[0, 1]``. clip_high: ``>= 0``.
+        advantages: ``[B, T]`` or ``[B]`` float, on the device of ``chunk_log_ratio``.
+        mask: ``[B, T]`` bool. clip_low: in ``[0, 1]``. clip_high: ``>= 0``.
 
     >>> lr = torch.tensor([[0.2, 0.2, 0.0, -0.1]])
     >>> m = torch.tensor([[True, True, False, True]])
     >>> chunk_clip_mask(lr, torch.tensor([[0.9, 0.9, 0.0, 1.0]]), m).tolist()   # e^0.2 > 1.2
     [[True, True, False, False]]
+    >>> chunk_clip_mask(torch.tensor([[float("nan"), 0.5]]), torch.ones(1), torch.ones(1, 2, dtype=torch.bool))
+    tensor([[False,  True]])
     """
     check_token_tensors(mask, chunk_log_ratio=chunk_log_ratio)
     check_float("advantages", advantages)
     check_seq_or_token("advantages", advantages, "chunk_log_ratio", chunk_log_ratio)
+    check_same_device("advantages", advantages, "chunk_log_ratio", chunk_log_ratio)
     _check_clip(clip_low, clip_high)
     with torch.no_grad():
         dtype = compute_dtype(chunk_log_ratio)
         adv = _token_adv(advantages, dtype, mask)
-        lr = chunk_log_ratio.detach().to(dtype)
-        high = (adv > 0) & (lr > math.log1p(clip_high))
-        low = (adv < 0) & (lr < (math.log1p(-clip_low) if clip_low < 1 else -math.inf))
-        return mask & (high | low)
+        # ipa_loss's own comparison on the same float values, not a log-domain twin that
+        # rounding could make disagree with it (exp(1e-9) is 1 in float32, 1e-9 > 0 is not)
+        ratio = chunk_log_ratio.detach().to(dtype).exp()
+        _, clipped, _ = _clipped_loss(ratio, adv, clip_low, clip_high, None)
+        return mask & clipped
 
 
 def chunk_mask(
