@@ -29,6 +29,8 @@ from rollkit.registry import REWARD_TRANSFORMS
 from rollkit.validation import (
     check_choice,
     check_finite_float,
+    check_finite_under_mask,
+    check_float,
     check_group_ids,
     check_int,
     check_int_tensor,
@@ -36,6 +38,7 @@ from rollkit.validation import (
     check_ndim,
     check_positive,
     check_same_device,
+    check_same_shape,
     check_scalar,
     values_readable,
 )
@@ -469,9 +472,14 @@ def token_level_rewards(
     :func:`rollkit.advantages.gae_advantages`.
 
     Args:
-        scores: ``[B]`` float sequence rewards (after any normalisation or clipping).
+        scores: ``[B]`` float sequence rewards (after any normalisation or clipping), finite.
         mask: ``[B, T]`` bool.
-        kl: optional ``[B, T]`` float KL estimate (required when ``kl_coef > 0``); ignored outside ``mask``.
+        kl: optional ``[B, T]`` float KL estimate on ``mask``'s device (required when
+            ``kl_coef > 0``), finite under ``mask`` (values outside it are ignored). Whenever it
+            is given it is checked, also with ``kl_coef = 0`` (where it does not enter the
+            result): a list, an integer tensor, another shape or device, or NaN / ``+-inf`` at a
+            valid token raise naming ``kl`` (the finiteness check, as that of ``scores``, is
+            skipped inside ``rollkit.validation.value_checks(False)``).
         kl_coef: ``beta >= 0``.
 
     >>> m = torch.tensor([[True, True, False], [True, True, True]])
@@ -488,20 +496,22 @@ def token_level_rewards(
     if scores.shape[0] != mask.shape[0]:
         raise ValueError(f"scores: has {scores.shape[0]} entries but mask has {mask.shape[0]} rows")
     check_same_device("scores", scores, "mask", mask)
-    if not scores.is_floating_point():
-        raise ValueError(f"scores: expected a float tensor, got {scores.dtype}")
+    check_float("scores", scores)
     check_positive("kl_coef", kl_coef, allow_zero=True)
-    if kl_coef > 0 and kl is None:
-        raise ValueError("kl: required when kl_coef > 0")
-    if values_readable("scores", scores):
-        check_finite_float("scores", scores)
+    if kl is None:
+        if kl_coef > 0:
+            raise ValueError("kl: required when kl_coef > 0")
+    else:
+        check_float("kl", kl)
+        check_same_shape("kl", kl, "mask", mask)  # and its device
+    check_finite_float("scores", scores)
+    if kl is not None:
+        check_finite_under_mask("kl", kl, mask)
     pos = torch.arange(mask.shape[1], device=mask.device)
     last = torch.where(mask, pos, -1).amax(-1, keepdim=True) if mask.shape[1] else None
     out = torch.zeros(mask.shape, dtype=scores.dtype, device=mask.device)
     if last is not None:  # the score where the position is the row's last valid one
         out = torch.where(pos == last, scores[:, None].expand_as(out), out)
     if kl is not None and kl_coef > 0:
-        if kl.shape != mask.shape:
-            raise ValueError(f"kl: shape {list(kl.shape)} differs from mask's {list(mask.shape)}")
         out = out - kl_coef * torch.where(mask, kl.to(out.dtype), torch.zeros_like(out))
     return torch.where(mask, out, torch.zeros_like(out))

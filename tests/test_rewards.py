@@ -21,8 +21,19 @@ from rollkit.rewards import (
     mask_truncated,
     normalize_rewards,
     overlong_penalty,
+    token_level_rewards,
 )
-from rollkit.testing import float_tensors, group_ids, masks, rewards, shapes
+from rollkit.testing import (
+    batches,
+    float_tensors,
+    group_ids,
+    int_tensors,
+    invalid_masks,
+    masks,
+    non_tensors,
+    rewards,
+    shapes,
+)
 from rollkit.validation import value_checks
 
 # --------------------------------------------------------------------------- normalize_rewards
@@ -494,3 +505,100 @@ def test_normalize_rewards_zero_spread_gradients_are_finite():
     assert torch.autograd.gradcheck(
         lambda t: normalize_rewards(torch.cat([t, fixed]), gid, level="group"), (z,)
     )
+
+
+# --------------------------------------------------------------------------- token_level_rewards
+
+
+def _k3(lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The k3 KL estimate of each token (garbage padding stays garbage)."""
+    d = ref - lp
+    return d.exp() - 1 - d
+
+
+@given(batches(garbage_padding=True, extreme=True), st.sampled_from([0.0, 0.05, 1.0]))
+def test_token_level_rewards_on_strategy_batches_match_a_loop(b, coef):
+    """``rollkit.testing.batches`` (ragged masks with holes and empty rows, NaN / inf padding,
+    rewards up to 1e6) against a plain loop: the score on each row's last valid token, minus
+    ``coef * kl`` on every valid token, 0 elsewhere; padding never leaks."""
+    mask, scores = b["response_mask"], b["rewards"]
+    kl = _k3(b["logprobs"], b["ref_logprobs"])  # NaN / inf under the mask (garbage padding)
+    out = token_level_rewards(scores, mask, kl=kl, kl_coef=coef)
+    assert out.shape == mask.shape and out.dtype == scores.dtype and torch.isfinite(out).all()
+    assert torch.equal(out[~mask], torch.zeros(int((~mask).sum())))
+    want = torch.zeros(mask.shape, dtype=torch.float64)
+    for i in range(mask.shape[0]):
+        valid = mask[i].nonzero().flatten().tolist()
+        for t in valid:
+            want[i, t] = -coef * float(kl[i, t])
+        if valid:
+            want[i, valid[-1]] += float(scores[i])
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5 * (1 + float(scores.abs().max())))
+    # kl_coef = 0 ignores the values of kl (after checking it), as kl=None
+    assert torch.equal(token_level_rewards(scores, mask, kl=kl), token_level_rewards(scores, mask))
+
+
+@given(st.data())
+def test_token_level_rewards_refuse_bad_kl_and_masks_by_name(data):
+    B, T = data.draw(shapes(max_batch=4, max_len=5))
+    mask = data.draw(masks(B, T))
+    scores = data.draw(rewards(B))
+    coef = data.draw(st.sampled_from([0.0, 0.1]))  # a bad kl is refused even where it is unused
+    with pytest.raises((ValueError, TypeError), match=r"^kl: "):
+        token_level_rewards(scores, mask, kl=data.draw(non_tensors((B, T)).filter(lambda v: v is not None)))
+    with pytest.raises((ValueError, TypeError), match=r"^kl: "):
+        token_level_rewards(scores, mask, kl=data.draw(int_tensors((B, T), dtype=None)), kl_coef=coef)
+    other = data.draw(st.sampled_from([(B, T + 1), (B + 1, T), (B,), (B, T, 1)]))
+    with pytest.raises((ValueError, TypeError), match=r"^kl: "):
+        token_level_rewards(scores, mask, kl=data.draw(float_tensors(other)), kl_coef=coef)
+    bad_mask = data.draw(invalid_masks((B, T)))
+    if not (isinstance(bad_mask, torch.Tensor) and bad_mask.dtype == torch.bool and bad_mask.ndim == 2):
+        with pytest.raises((ValueError, TypeError), match=r"^mask: "):  # [B', T'] bool: see scores / kl
+            token_level_rewards(scores, bad_mask)
+    if mask.any():  # NaN / inf at a valid token: named; under the mask: ignored
+        bad = data.draw(float_tensors((B, T), mask=mask, nonfinite=True))
+        with pytest.raises(ValueError, match=r"^kl: contains \d+ NaN and \d+ inf values"):
+            token_level_rewards(scores, mask, kl=bad, kl_coef=coef)
+        with value_checks(False):
+            token_level_rewards(scores, mask, kl=bad, kl_coef=coef)
+
+
+def test_token_level_rewards_named_bad_kl_of_the_issue():
+    """Each bad ``kl`` the issue lists: before, a list crashed with AttributeError, an int kl
+    was used and a wrongly shaped one ignored (kl_coef = 0) silently."""
+    m = torch.tensor([[True, True, False], [True, True, True]])
+    s = torch.tensor([1.0, 0.5])
+    cases = [
+        (dict(kl=[[0.1] * 3] * 2, kl_coef=0.1), TypeError, r"^kl: expected a torch\.Tensor, got list$"),
+        (
+            dict(kl=torch.ones(2, 3, dtype=torch.int64), kl_coef=0.1),
+            TypeError,
+            r"^kl: expected a floating-point tensor, got dtype torch\.int64$",
+        ),
+        (dict(kl=torch.ones(5)), ValueError, r"^kl: shape \[5\] does not match mask shape \[2, 3\]$"),
+        (
+            dict(kl=torch.ones(2, 3, device="meta"), kl_coef=0.1),
+            ValueError,
+            r"^kl: is on device meta but mask is on cpu$",
+        ),
+        (
+            dict(kl=torch.tensor([[0.0, math.nan, math.nan], [0.0, 0.0, 0.0]]), kl_coef=0.1),
+            ValueError,
+            r"^kl: contains 1 NaN and 0 inf values \(first at index \(0, 1\)\)$",
+        ),
+        (dict(kl=torch.zeros(2, 3)), None, None),  # kl_coef = 0: a valid kl is ignored
+    ]
+    for kwargs, err, match in cases:
+        if err is None:
+            token_level_rewards(s, m, **kwargs)
+            continue
+        with pytest.raises(err, match=match):
+            token_level_rewards(s, m, **kwargs)
+    with pytest.raises(
+        TypeError, match=r"^scores: expected a floating-point tensor, got dtype torch\.int64$"
+    ):
+        token_level_rewards(torch.tensor([1, 0]), m)
+    # shape inference: with the value checks off it runs on meta
+    with value_checks(False):
+        out = token_level_rewards(s.to("meta"), m.to("meta"), kl=torch.ones(2, 3, device="meta"), kl_coef=0.1)
+    assert out.is_meta and out.shape == (2, 3)
