@@ -34,7 +34,8 @@ Masks are ``torch.bool`` tensors of the shape of the data. Conventions, used eve
 * ``meta`` tensors: the masked reductions and segment ops run on ``meta`` (shape inference)
   inside ``rollkit.validation.value_checks(False)``; with the checks on they raise a
   ``ValueError`` naming the argument. :func:`group_index` reads the ids (``torch.unique``) and
-  refuses ``meta`` by name.
+  refuses ``meta`` by name. :func:`broadcast_to_tokens` and :func:`explained_variance` read no
+  value (no check, no host synchronisation) and run on ``meta`` with the checks on or off.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from rollkit.validation import (
     check_positive,
     check_real_tensor,
     check_same_device,
+    check_same_shape,
     check_tensor,
     values_readable,
 )
@@ -734,8 +736,17 @@ def explained_variance(pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
 
     The critic diagnostic of PPO (OpenAI baselines' ``explained_variance``; verl's
     ``critic/vf_explained_var``, OpenRLHF's): 1 is a perfect critic, 0 one no better than the
-    mean of the targets, negative one worse than that. 0-dim float64; ``NaN`` when the masked
-    targets are constant (``Var(target) = 0``) or fewer than one entry is selected.
+    mean of the targets, negative one worse than that; never above 1. 0-dim float64 (the
+    variances are taken in float64, each of the values shifted by their smallest selected
+    one, so that constant targets have a variance of exactly 0); ``NaN`` when the masked
+    targets are constant (``Var(target) = 0``), when no entry is selected, or when a selected
+    entry is NaN / ``+-inf``. Entries outside ``mask`` never matter (NaN included).
+
+    A diagnostic, not a check: nothing is read on the host (no device synchronisation), so it
+    runs on ``meta`` tensors (a 0-dim ``meta`` result, for shape inference), with the value
+    checks on or off. Every argument must be a tensor on ``target``'s device, ``pred`` and
+    ``target`` float tensors of one shape, ``mask`` a bool tensor of that shape (``ValueError``
+    / ``TypeError`` naming the argument otherwise).
 
     Args:
         pred, target: float tensors of one shape (e.g. ``[B, T]`` values and returns).
@@ -744,17 +755,33 @@ def explained_variance(pred: Tensor, target: Tensor, mask: Tensor) -> Tensor:
     >>> m = torch.ones(4, dtype=torch.bool)
     >>> explained_variance(torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([0.0, 1.0, 2.0, 4.0]), m)
     tensor(0.9143, dtype=torch.float64)
+    >>> explained_variance(torch.zeros(4), torch.ones(4), m)     # constant targets
+    tensor(nan, dtype=torch.float64)
     """
     check_float("pred", pred)
     check_float("target", target)
-    if pred.shape != target.shape:
-        raise ValueError(f"pred: shape {list(pred.shape)} differs from target's {list(target.shape)}")
+    check_same_shape("pred", pred, "target", target)  # and its device
     check_mask("mask", mask, target, "target")
-    t = target.detach().double()[mask]
-    if t.numel() < 1:
-        return torch.tensor(float("nan"), dtype=torch.float64, device=target.device)
-    e = t - pred.detach().double()[mask]
-    var_t = t.var(unbiased=False)
-    if var_t == 0:
-        return torch.tensor(float("nan"), dtype=torch.float64, device=target.device)
-    return 1 - e.var(unbiased=False) / var_t
+    m = mask.reshape(-1)
+    t = target.detach().reshape(-1).to(torch.float64)
+    e = t - pred.detach().reshape(-1).to(torch.float64)
+    n = m.sum().to(torch.float64)
+    var_t, var_e = _biased_var64(t, m, n), _biased_var64(e, m, n)
+    ok = (n > 0) & (var_t != 0)  # a NaN variance stays NaN below
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=t.device)
+    return torch.where(ok, 1 - var_e / torch.where(ok, var_t, torch.ones_like(var_t)), nan)
+
+
+def _biased_var64(x: Tensor, m: Tensor, n: Tensor) -> Tensor:
+    """0-dim biased variance of the float64 values ``x`` where ``m``, for ``n = m.sum() > 0``:
+    two-pass on the values shifted by their smallest selected one (exactly 0 for constant
+    values); NaN if a selected value is NaN or ``+-inf``. Data-independent (runs on ``meta``)."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    inf = torch.full((), float("inf"), dtype=x.dtype, device=x.device)
+    # NaN-propagating minimum (amin of a NaN is NaN); +inf where nothing is selected
+    lo = torch.where(m, x, inf).amin() if x.numel() else inf
+    d = torch.where(m, x - torch.where(torch.isfinite(lo), lo, zero), zero)
+    nonfinite = torch.where(m, ~torch.isfinite(x), False).any()
+    mean = d.sum() / n.clamp(min=1)
+    v = torch.where(m, d - mean, zero).square().sum() / n.clamp(min=1)
+    return torch.where(nonfinite, torch.full_like(v, float("nan")), v)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rollkit.ops import (
     broadcast_to_tokens,
+    explained_variance,
     group_index,
     group_normalize,
     masked_mean,
@@ -32,6 +33,7 @@ from rollkit.ops import (
 )
 from rollkit.testing import (
     assert_float64_close,
+    batches,
     dims,
     float_tensors,
     group_ids,
@@ -43,7 +45,7 @@ from rollkit.testing import (
     non_tensors,
     shapes,
 )
-from rollkit.validation import InvalidTypeError
+from rollkit.validation import InvalidTypeError, value_checks
 
 F32_MAX = float(torch.finfo(torch.float32).max)
 EPS = float(torch.finfo(torch.float32).eps)
@@ -422,3 +424,88 @@ def test_reinforce_pp_of_huge_rewards_matches_float64(data, unbiased, gamma):
     got = reinforce_pp_advantages(r, m, gamma=gamma, unbiased_std=unbiased)
     want = reinforce_pp_advantages(r.double(), m, gamma=gamma, unbiased_std=unbiased)
     assert_float64_close(got, want, atol=B * T * 16 * EPS)
+
+
+# --------------------------------------------------------------------------- explained variance
+
+
+def _ev_loop(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(target - pred) / Var(target)`` over the selected entries, by a plain loop in
+    float64 (biased variances); NaN for no entry or constant targets."""
+    t = [float(x) for x in target.double()[mask].tolist()]
+    e = [a - float(p) for a, p in zip(t, pred.double()[mask].tolist())]
+    if not t or max(t) == min(t):
+        return math.nan
+
+    def var(xs):
+        mean = math.fsum(xs) / len(xs)
+        return math.fsum((x - mean) ** 2 for x in xs) / len(xs)
+
+    return 1.0 - var(e) / var(t)
+
+
+@given(batches(garbage_padding=True, extreme=True), st.data())
+def test_explained_variance_on_strategy_batches_matches_a_loop_and_is_at_most_one(b, data):
+    """``rollkit.testing.batches`` (ragged masks, empty rows, NaN / inf padding, advantages up to
+    1e6) against the loop: at most 1, 1 for a perfect critic, padding never leaks."""
+    mask, pred, target = b["response_mask"], b["values"], b["advantages"]
+    got = explained_variance(pred, target, mask)
+    assert got.shape == () and got.dtype == torch.float64
+    want = _ev_loop(pred, target, mask)
+    if math.isnan(want):
+        assert torch.isnan(got)
+        return
+    assert float(got) == pytest.approx(want, rel=1e-9, abs=1e-9)
+    assert float(got) <= 1.0
+    assert float(explained_variance(target, target, mask)) == 1.0
+    # masked-out entries never matter: the same values with other padding
+    junk = data.draw(float_tensors(tuple(mask.shape), mask=mask, garbage_padding=True))
+    assert torch.equal(
+        explained_variance(torch.where(mask, pred, junk), torch.where(mask, target, junk), mask), got
+    )
+
+
+@given(st.data())
+def test_explained_variance_of_huge_values_matches_the_float64_loop(data):
+    B, T = data.draw(shapes(max_batch=4, max_len=6))
+    m = data.draw(masks(B, T))
+    pred = data.draw(float_tensors((B, T), mask=m, garbage_padding=True, **HUGE))
+    target = data.draw(float_tensors((B, T), mask=m, garbage_padding=True, **HUGE))
+    got, want = explained_variance(pred, target, m), _ev_loop(pred, target, m)
+    if math.isnan(want):
+        assert torch.isnan(got)
+    else:  # float64 squares of float32 values never overflow
+        assert float(got) == pytest.approx(want, rel=1e-9, abs=1e-9) and float(got) <= 1.0
+
+
+@given(st.data())
+def test_explained_variance_refuses_bad_input_by_name(data):
+    B, T = data.draw(shapes(max_batch=4, max_len=5))
+    x, y = data.draw(float_tensors((B, T))), data.draw(float_tensors((B, T)))
+    m = data.draw(masks(B, T))
+    with raises_naming("mask"):
+        explained_variance(x, y, data.draw(invalid_masks((B, T))))
+    for name, call in (
+        ("pred", lambda v: explained_variance(v, y, m)),
+        ("target", lambda v: explained_variance(x, v, m)),
+    ):
+        with raises_naming(name):
+            call(data.draw(non_tensors((B, T))))
+        with raises_naming(name):
+            call(data.draw(int_tensors((B, T), dtype=None)))
+    with raises_naming("pred"):
+        explained_variance(data.draw(float_tensors((B, T + 1))), y, m)
+    with pytest.raises(ValueError, match=r"^pred: is on device meta but target is on cpu$"):
+        explained_variance(x.to("meta"), y, m)
+    with pytest.raises(ValueError, match=r"^mask: is on device meta but target is on cpu$"):
+        explained_variance(x, y, m.to("meta"))
+
+
+@pytest.mark.parametrize("checks", [True, False])
+def test_explained_variance_runs_on_meta_tensors(checks):
+    """A diagnostic that reads no value: a 0-dim float64 meta result for shape inference, with
+    the value checks on or off (before: torch's NotImplementedError from boolean indexing)."""
+    x = torch.zeros(3, 4, device="meta")
+    with value_checks(checks):
+        out = explained_variance(x, x, torch.ones(3, 4, dtype=torch.bool, device="meta"))
+    assert out.is_meta and out.shape == () and out.dtype == torch.float64
