@@ -7,7 +7,11 @@ import inspect
 import pytest
 import torch
 
+from rollkit.losses import bradley_terry
+from rollkit.losses.ipa import chunk_clip_mask, chunk_index, chunk_log_ratio, chunk_mask
+from rollkit.ops import explained_variance
 from rollkit.registry import REGISTRIES
+from rollkit.rewards import token_level_rewards
 from rollkit.validation import value_checks
 
 B, T = 4, 5
@@ -86,6 +90,10 @@ def universal_batch(device="cpu", length=T):
         "step_index": torch.tensor([0, 1, 0, 1]),
         "state_ids": torch.tensor([5, 6, 5, 7]),
         "episode_returns": torch.tensor([1.0, 1.0, 0.0, 0.0]),
+        # the turn of each action token (IPA's chunks), -1 off the mask
+        "step_ids": torch.tensor(
+            [[0, 0, -1, 1, -1], [0, 0, 1, 1, 2], [3, -1, -1, -1, -1], [0, 1, 1, -1, -1]]
+        )[:, :length],
     }
     return {k: v.to(device) for k, v in b.items()}
 
@@ -100,6 +108,8 @@ def _call(reg, name, batch, **kw):
 def _tensors(out):
     if isinstance(out, torch.Tensor):
         return [out]
+    if out is None or isinstance(out, (int, float)):  # e.g. chunk_index's number of chunks
+        return []
     if isinstance(out, dict):
         return [t for v in out.values() for t in _tensors(v)]
     if isinstance(out, (tuple, list)):
@@ -179,3 +189,99 @@ def test_empty_responses_t0_return_empty_results_or_a_documented_error(reg, name
         return
     for t in _tensors(out):
         assert t.ndim < 2 or t.shape == (B, 0)
+
+
+# --------------------------------------------------------------------------- primitives without a registry entry
+
+# name -> (function, {argument: batch key}, keyword hyper-parameters): swept as the entries are
+PLAIN = {
+    "chunk_index": (chunk_index, {"chunk_ids": "step_ids", "mask": "response_mask"}, {}),
+    "chunk_log_ratio": (
+        chunk_log_ratio,
+        {
+            "logprobs": "logprobs",
+            "old_logprobs": "old_logprobs",
+            "mask": "response_mask",
+            "chunk_ids": "step_ids",
+        },
+        {},
+    ),
+    "chunk_clip_mask": (
+        chunk_clip_mask,
+        {"chunk_log_ratio": "values", "advantages": "rewards", "mask": "response_mask"},
+        {},
+    ),
+    "chunk_mask": (
+        chunk_mask,
+        {"chunk_log_ratio": "values", "mask": "response_mask"},
+        {"low": 0.5, "high": 2.0},
+    ),
+    "explained_variance": (
+        explained_variance,
+        {"pred": "values", "target": "returns", "mask": "response_mask"},
+        {},
+    ),
+    "token_level_rewards": (
+        token_level_rewards,
+        {"scores": "rewards", "mask": "response_mask", "kl": "kl"},
+        {"kl_coef": 0.1},
+    ),
+    "bradley_terry": (
+        bradley_terry,
+        {"chosen_rewards": "rewards", "rejected_rewards": "greedy_rewards", "margin": "sample_weights"},
+        {},
+    ),
+}
+# no value checks at all: they run on meta with the checks on too
+PLAIN_NO_VALUE_CHECKS = {
+    "chunk_index",
+    "chunk_log_ratio",
+    "chunk_clip_mask",
+    "chunk_mask",
+    "explained_variance",
+}
+# outputs whose size depends on the values (the number of chunks): only the first output's
+# shape is the same on meta
+PLAIN_DATA_DEPENDENT = {"chunk_index"}
+
+
+def _plain(name, batch):
+    fn, args, kw = PLAIN[name]
+    return fn(**{a: batch[k] for a, k in args.items()}, **kw)
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_plain_primitives_infer_their_shapes_on_meta(name):
+    """On ``meta`` inside ``value_checks(False)``: meta outputs of the shapes and dtypes of the
+    CPU ones. With the checks on: the same, or (a value check) a refusal naming an argument."""
+    want = _tensors(_plain(name, universal_batch()))
+    with value_checks(False):
+        got = _tensors(_plain(name, universal_batch("meta")))
+    assert len(got) == len(want)
+    if name in PLAIN_DATA_DEPENDENT:
+        got, want = got[:1], want[:1]
+    for g, w in zip(got, want):
+        assert g.is_meta and g.shape == w.shape and g.dtype == w.dtype, (g, w)
+    if name in PLAIN_NO_VALUE_CHECKS:
+        with value_checks(True):
+            assert all(t.is_meta for t in _tensors(_plain(name, universal_batch("meta"))))
+    else:
+        with value_checks(True), pytest.raises(ValueError, match=r"^\w+: is on the meta device"):
+            _plain(name, universal_batch("meta"))
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_plain_primitives_name_a_tensor_on_another_device(name):
+    _, args, _ = PLAIN[name]
+    base = universal_batch()
+    for arg, key in args.items():
+        batch = {**base, key: base[key].to("meta")}
+        with value_checks(False), pytest.raises(ValueError, match="device") as err:
+            _plain(name, batch)
+        assert arg in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_plain_primitives_on_empty_responses(name):
+    out = _tensors(_plain(name, universal_batch(length=0)))
+    assert out and all(t.ndim < 2 or t.shape == (B, 0) for t in out)
