@@ -14,13 +14,31 @@ TEMPFAIL = 75  # EX_TEMPFAIL: a checker exits with it where a third-party import
 ENVS = Path(os.environ.get("ROLLKIT_INTEGRATION_ENVS", Path.home() / ".cache" / "rollkit-integration-envs"))
 
 
+# ROLLKIT_INTEGRATION_REQUIRED=1 (.ci/run): a missing venv fails the test instead of skipping it.
+REQUIRED = os.environ.get("ROLLKIT_INTEGRATION_REQUIRED") == "1"
+
+
+def venv_key() -> str:
+    """The key setup_envs.sh builds the venvs for (its own sha256 and this Python's version)."""
+    out = subprocess.run(
+        ["bash", str(HERE / "setup_envs.sh"), "--key"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable},
+    )  # fmt: skip
+    return out.stdout.strip()
+
+
 def run_checker(env: str, script: str, timeout: int = 300) -> str:
-    """Run ``script`` in ``$ROLLKIT_INTEGRATION_ENVS/env``; skip when that venv is absent."""
+    """Run ``script`` in ``$ROLLKIT_INTEGRATION_ENVS/env``; skip when that venv is absent or was
+    built for another version of setup_envs.sh (fail instead under ROLLKIT_INTEGRATION_REQUIRED=1)."""
     python = ENVS / env / "bin" / "python"
-    if not (ENVS / env / ".rollkit-ready").exists():  # absent, or still being built
-        pytest.skip(
-            f"no finished {env} venv at {ENVS / env}: run tests/integrations/setup_envs.sh (ROLLKIT_INTEGRATION_ENVS)"
-        )
+    stamp = ENVS / env / ".rollkit-ready"  # written last, with the key, by setup_envs.sh
+    built = stamp.read_text().strip() if stamp.exists() else None
+    if built != venv_key():  # absent, still being built, or stale
+        why = "no finished" if built is None else f"a stale (key {built})"
+        msg = f"{why} {env} venv at {ENVS / env}: run tests/integrations/setup_envs.sh (ROLLKIT_INTEGRATION_ENVS)"
+        if REQUIRED:
+            pytest.fail(msg)
+        pytest.skip(msg)
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_DISABLE_IMPORT_WARNING": "1"}
 
     def run():
