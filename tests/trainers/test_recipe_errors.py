@@ -98,6 +98,10 @@ def test_bad_command_line_is_one_named_line(tmp_path, args, pattern):
 def test_a_hub_name_that_cannot_be_fetched_is_one_line(tmp_path, monkeypatch):
     """A hub name is accepted by the config; offline (as here, no model hub) loading it says so."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at its import: a module imported earlier in this
+    # process without it would try the network (and wait on its retries) instead of failing at once
+    hub = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
     with pytest.raises(SystemExit) as e:
         rlvr_qwen.main(["--model", "Qwen/Qwen2.5-0.5B-Instruct", f"logging.dir={tmp_path}"])
     msg = str(e.value.code)
