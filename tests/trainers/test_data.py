@@ -112,6 +112,11 @@ def test_datasets_directory_and_hub_names_as_prompt_data(tmp_path, monkeypatch):
         load_prompts(tmp_path / "dd", field="data.train_file", split="dev")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # datasets and huggingface_hub read these once, at their import: set their flags too, or a
+    # process that imported them earlier tries the network (and waits on its retries)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(pytest.importorskip("huggingface_hub.constants"), "HF_HUB_OFFLINE", True)
     with pytest.raises(
         ValueError, match=r"^data\.train_file: could not load the dataset 'nobody/no-such-set'"
     ):
