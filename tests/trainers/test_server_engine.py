@@ -2,7 +2,8 @@
 
 Two servers are started once per module (through the config: ``rollout.engine=server``,
 ``rollout.num_servers=2``) and shared; every test that compares log-probs first sends the
-weights it compares against. The killed-server test and the replacement test run last (they kill servers; the replacement
+weights it compares against. Each server has an API key of its own: calls without it are
+refused (401) and change nothing, on every route but ``/health``. The killed-server test and the replacement test run last (they kill servers; the replacement
 test waits for a new one). The
 servers are stopped by the fixture's teardown (their process groups), also when a test fails.
 
@@ -11,9 +12,14 @@ recomputation agree to about 1e-6 on CPU (measured); ``ATOL = 1e-4``.
 """
 
 import copy
+import json
 import os
+import re
 import signal
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -23,11 +29,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
 import torch
+from safetensors.torch import save_file
 
 from trainers.config import load_config, validate
 from trainers.engines import Request, SamplingParams, TorchTrainEngine, pack_generations
 from trainers.engines.build import make_rollout_engine
-from trainers.engines.server_rollout import ServerRolloutEngine
+from trainers.engines.guard import child_pids
+from trainers.engines.server_rollout import _GENERATE, ServerRolloutEngine, reload_weights_on, weights_to_send
 from trainers.engines.vllm_server import ServerClient, ServerError, free_port, stop_servers
 from trainers.loops import SyncTrainer
 from trainers.models import char_tokenizer, tiny_qwen2
@@ -149,6 +157,148 @@ def test_update_weights_served_logprobs_equal_trainers(engine, base_model, tok, 
     with pytest.raises(ValueError, match="shape"):
         engine.update_weights([("model.norm.weight", torch.zeros(3))], version=4)
     engine.update_weights(base_model.named_parameters(), version=0)
+
+
+def _status(url, method, path, key=None, body=None):
+    """The HTTP status of one call (the body is not read as JSON: /metrics is text)."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
+    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_calls_without_the_servers_key_are_refused_and_change_nothing(
+    engine, base_model, tok, prompts, tmp_path
+):
+    """A weight reload, a pause, an abort, a weight reset and a generation, without the server's
+    key or with a wrong one, are answered 401 and change nothing: the served log-probs are still
+    those of the trainer's weights, the running requests finish where they started, the version
+    and the checksums are unchanged, the servers are not paused. The same reload with the key
+    does load the stranger's weights (the control). The key is on no command line."""
+    engine.update_weights(base_model.named_parameters(), version=0)
+    keys = [s.api_key for s in engine.local_servers]
+    assert (
+        len(set(keys)) == 2
+        and all(len(k) >= 40 for k in keys)
+        and [c.api_key for c in engine.clients] == keys
+    )
+    for s in engine.local_servers:  # the guard and the server it runs; nor in the server's log
+        for pid in [s.process.pid, *child_pids(s.process.pid)]:
+            assert s.api_key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert s.api_key not in s.log_path.read_text(errors="replace")
+    other = tiny_qwen2(tok, seed=1, **MODEL_KW)
+    wdir = tmp_path / "stranger"
+    wdir.mkdir()
+    save_file(
+        weights_to_send(other.named_parameters(), None, engine.tie_word_embeddings, "float32"),
+        str(wdir / "model.safetensors"),
+    )
+    gen = {
+        "request_id": "stranger",
+        "token_ids": prompts[0],
+        "sampling_params": {"max_tokens": 4, "logprobs": 0},
+    }
+    calls = [
+        (
+            "POST",
+            "/collective_rpc",
+            {"method": "rollkit_reload_weights", "kwargs": {"weights_path": str(wdir)}},
+        ),
+        ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(wdir)}}),
+        ("POST", "/weight_checker", {"action": "reset"}),
+        ("POST", "/update_weight_version", {"new_version": "99"}),
+        ("POST", "/pause?mode=keep", {}),
+        ("POST", "/abort_requests", {}),  # no ids: every running request
+        ("POST", _GENERATE, gen),
+        ("POST", "/v1/completions", {"model": "rollkit", "prompt": "7+5=", "max_tokens": 4}),
+    ]
+    sums = [c.post("/weight_checker", {"action": "checksum"})["checksums"] for c in engine.clients]
+    m0 = engine.metrics()
+    running = [
+        Request(f"run{i}", prompts[i], SamplingParams(max_tokens=150, ignore_eos=True)) for i in range(2)
+    ]
+    engine.add(running)  # one per server, still generating while the strangers call
+    for c in engine.clients:
+        for key in (None, "not-" + c.api_key):
+            stranger = ServerClient(c.url, timeout_s=30, api_key=key)
+            for method, path, body in calls:
+                with pytest.raises(ServerError, match=r"answered 401: unauthorized.*(no|a wrong) key") as e:
+                    stranger.request(method, path, body)
+                assert e.value.status == 401
+            with pytest.raises(ServerError, match="answered 401") as e:
+                next(stranger.stream(_GENERATE, gen))
+            assert stranger.healthy()  # /health alone is open
+    done, deadline = [], time.monotonic() + 120
+    while engine.num_running and time.monotonic() < deadline:
+        done += engine.step()
+    assert sorted(r.request_id for r in done) == ["run0", "run1"]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 150 for r in done)
+    m = engine.metrics()
+    for k in ("server/rerouted", "server/errors"):  # nothing was aborted or failed
+        assert m[k] == m0[k], k
+    for c, before in zip(engine.clients, sums):
+        assert c.get("/is_paused") == {"is_paused": False}
+        assert c.get("/weight_info")["weight_version"] == "0"
+        assert c.post("/weight_checker", {"action": "checksum"})["checksums"] == before
+    gens = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0))
+    assert max_err(base_model, gens, tok, temperature=1.0) < ATOL  # the trainer's weights, still
+    for c in engine.clients:  # the control: with the key, the same file is loaded
+        reload_weights_on(c, wdir, 9, 60)
+    gens = engine.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0))
+    assert max_err(other, gens, tok, temperature=1.0) < ATOL
+    engine.update_weights(base_model.named_parameters(), version=0)
+
+
+def test_every_route_but_health_needs_the_key(engine):
+    """Every route the server lists in its OpenAPI schema (vLLM's RL, dev and SageMaker routes
+    included, which vLLM's own --api-key leaves open), plus /metrics and /docs, refuses a call
+    without the key; /health alone answers."""
+    c = engine.clients[0]
+    paths = c.get("/openapi.json")["paths"]
+    routes = sorted(
+        {(m.upper(), p) for p, ops in paths.items() for m in ops}
+        | {("GET", "/metrics"), ("GET", "/docs"), ("GET", "/openapi.json")}
+    )
+    assert {("POST", "/collective_rpc"), ("POST", "/pause"), ("POST", "/invocations")} <= set(routes)
+    answered = {}
+    for method, path in routes:
+        body = {} if method in ("POST", "PUT", "PATCH") else None
+        status = _status(c.url, method, re.sub(r"\{[^}]+\}", "x", path), body=body)
+        if status != 401:
+            answered[(method, path)] = status
+    assert answered == {("GET", "/health"): 200}, answered
+    assert len(routes) > 30
+    assert _status(c.url, "GET", "/metrics", key=c.api_key) == 200
+
+
+def test_servers_given_by_address_take_the_key_given_or_VLLM_API_KEY(engine, prompts, monkeypatch):
+    """A server rollkit did not start in this process (here: one of the module's, by another
+    name) is reached with ``api_key``, else ``VLLM_API_KEY``; a missing or wrong key is one line
+    naming the server, the 401 and where the key comes from."""
+    url = engine.clients[0].url.replace("127.0.0.1", "localhost")
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(
+        ServerError,
+        match=rf"{url}: GET /v1/models answered 401.*sent no key; give api_key or set VLLM_API_KEY",
+    ):
+        ServerRolloutEngine([url], timeout_s=10)
+    monkeypatch.setenv("VLLM_API_KEY", "wrong")
+    with pytest.raises(ServerError, match=r"answered 401.*sent a wrong key"):
+        ServerRolloutEngine([url], timeout_s=10)
+    with pytest.raises(ServerError, match=r"answered 401.*sent a wrong key"):  # the argument wins
+        ServerRolloutEngine([url], timeout_s=10, api_key="wrong-too")
+    with pytest.raises(ValueError, match="api_key: expected a non-empty str of visible ASCII"):
+        ServerRolloutEngine([url], api_key="two words")
+    monkeypatch.setenv("VLLM_API_KEY", engine.local_servers[0].api_key)
+    with ServerRolloutEngine([url], timeout_s=10) as eng:
+        assert len(eng.generate(prompts[:1], SamplingParams(max_tokens=4))) == 1
+    monkeypatch.setenv("VLLM_API_KEY", "wrong")  # the servers this process started: their own keys
+    with ServerRolloutEngine([c.url for c in engine.clients], timeout_s=10) as eng:
+        assert [c.api_key for c in eng.clients] == [s.api_key for s in engine.local_servers]
 
 
 def test_bad_input_gives_clear_errors(engine, prompts):

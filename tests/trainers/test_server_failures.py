@@ -9,6 +9,8 @@
   ``/proc`` tells whether any is left, whatever its parent or process group.
 * The tiny model's default on a vLLM rollout has a head size vLLM's CPU attention supports; a
   checkpoint whose head size it lacks is refused by name before any server starts.
+* A run's server answers only its owner: another process without the server's key (which is in
+  the server's environment, on no command line) cannot pause it.
 """
 
 import json
@@ -30,7 +32,7 @@ from trainers.config import load_config
 from trainers.engines import SamplingParams
 from trainers.engines.build import build_model
 from trainers.engines.server_rollout import ServerRolloutEngine
-from trainers.engines.vllm_server import ServerError, launch_servers
+from trainers.engines.vllm_server import ServerClient, ServerError, launch_servers
 from trainers.models import char_tokenizer, save_model, tiny_qwen2
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="/proc: Linux")]
@@ -75,6 +77,24 @@ def recipe(tmp_path: Path, tag: str, steps: int, engine: str = "server") -> subp
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def check_the_server_answers_its_owner_only(pids: list[int]) -> None:
+    """The run's ``vllm serve`` (the guard's child): its key is in its environment and on no
+    command line of the run; this process, a stranger to it, is refused a pause (401) without
+    the key and is answered with it."""
+    guard = next(p for p in pids if b"guard.py" in Path(f"/proc/{p}/cmdline").read_bytes())
+    server = int(Path(f"/proc/{guard}/task/{guard}/children").read_text().split()[0])
+    argv = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
+    env = dict(
+        x.split(b"=", 1) for x in Path(f"/proc/{server}/environ").read_bytes().split(b"\0") if b"=" in x
+    )
+    key = env[b"VLLM_API_KEY"].decode()
+    assert len(key) >= 40 and not any(key.encode() in Path(f"/proc/{p}/cmdline").read_bytes() for p in pids)
+    url = f"http://127.0.0.1:{int(argv[argv.index(b'--port') + 1])}"
+    with pytest.raises(ServerError, match="POST /pause answered 401"):
+        ServerClient(url, timeout_s=30).post("/pause")
+    assert ServerClient(url, timeout_s=30, api_key=key).get("/is_paused") == {"is_paused": False}
+
+
 def wait_for_step(tmp_path: Path, proc: subprocess.Popen, timeout: float = 900.0) -> None:
     """Until the run has trained a step (its servers are up and serving)."""
     metrics, end = tmp_path / "log" / "metrics.jsonl", time.monotonic() + timeout
@@ -96,6 +116,8 @@ def test_a_killed_trainer_leaves_no_process(tmp_path, engine):
         wait_for_step(tmp_path, proc)
         running = tagged(tag)
         assert len(running) >= 3  # the trainer, a guard or watcher, vLLM's engine process
+        if engine == "server":
+            check_the_server_answers_its_owner_only(running)
         proc.kill()  # no atexit, no finally: only the guard / the watcher can stop them now
         proc.wait()
         assert wait_none_left(tag) == []

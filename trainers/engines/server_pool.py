@@ -19,6 +19,7 @@ from trainers.engines.vllm_server import (
     LocalServer,
     ServerClient,
     ServerError,
+    resolve_api_key,
     start_server,
     stop_servers,
     wait_healthy,
@@ -48,13 +49,19 @@ class ServerPool:
 
     ``on_replace(client)`` prepares a replacement before it joins (the engine loads the current
     weights into it); a replacement that fails to start or to prepare is stopped and its cause
-    recorded."""
+    recorded.
+
+    Keys: a client of a server rollkit started sends that server's own key
+    (``LocalServer.api_key``; a replacement gets a new one); a client of any other address sends
+    ``api_key``, else what :func:`~trainers.engines.vllm_server.resolve_api_key` finds (the
+    ``VLLM_API_KEY`` environment variable)."""
 
     def __init__(
         self,
         urls: Sequence[str],
         *,
         timeout_s: float,
+        api_key: str | None = None,
         local_servers: Sequence[LocalServer] = (),
         restart: bool = True,
         restart_kw: dict[str, Any] | None = None,
@@ -62,7 +69,11 @@ class ServerPool:
         if len(local_servers) > len(urls):
             raise ValueError(f"local_servers: {len(local_servers)} servers for {len(urls)} addresses")
         self.timeout_s = float(timeout_s)
-        self.clients = [ServerClient(u, timeout_s=timeout_s) for u in urls]
+        keys = [s.api_key or None for s in local_servers] + [None] * (len(urls) - len(local_servers))
+        self.clients = [
+            ServerClient(u, timeout_s=timeout_s, api_key=k or resolve_api_key(u, api_key))
+            for u, k in zip(urls, keys)
+        ]
         self.local_servers: list[LocalServer] = list(local_servers)  # every server started, to stop
         self.procs: dict[int, LocalServer] = dict(enumerate(local_servers))  # server index -> process
         self.restart, self.restart_kw = bool(restart), dict(restart_kw or {})
@@ -181,7 +192,7 @@ class ServerPool:
             return
         try:
             wait_healthy([new], deadline)
-            client = ServerClient(new.url, timeout_s=self.timeout_s)
+            client = ServerClient(new.url, timeout_s=self.timeout_s, api_key=new.api_key)
             if self.on_replace is not None:
                 self.on_replace(client)
         except Exception as e:

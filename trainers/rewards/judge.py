@@ -34,7 +34,7 @@ from typing import Any
 from trainers.data import Prompt, has_chat_template
 from trainers.engines.base import SamplingParams
 from trainers.engines.hf_rollout import HFRolloutEngine
-from trainers.engines.vllm_server import ServerClient, ServerError
+from trainers.engines.vllm_server import ServerClient, ServerError, resolve_api_key
 from trainers.models import char_tokenizer, default_model_path, load_model, tiny_qwen2
 
 __all__ = [
@@ -233,6 +233,11 @@ class JudgeReward:
         timeout_s: the deadline of each request to the server, a number > 0 (default
             :data:`DEFAULT_TIMEOUT_S`, under the reward pool's default ``timeout_s``). Only
             with ``server_url``.
+        api_key: the server's API key, sent with every request; ``None``: the key of the
+            server this process started at ``server_url``, else the ``VLLM_API_KEY``
+            environment variable, else none
+            (:func:`~trainers.engines.vllm_server.resolve_api_key`), found once, here, so
+            a pool's workers use it too. Only with ``server_url``.
 
     :meth:`metrics` counts, over this object's life in this process: ``judged``, ``valid``,
     ``invalid`` and ``invalid/<reason>`` for each of :data:`INVALID_REASONS` (in a process or
@@ -266,12 +271,14 @@ class JudgeReward:
         server_url: str | None = None,
         served_model: str | None = None,
         timeout_s: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         if server_url is not None:
             _check_served(server_url, engine, tokenizer, model, device, max_batch_size)
             model = None  # "" (the config's default judge_model) is no local model here
-        elif served_model is not None or timeout_s is not None:
-            field = "served_model" if served_model is not None else "timeout_s"
+        elif served_model is not None or timeout_s is not None or api_key is not None:
+            given = {"served_model": served_model, "timeout_s": timeout_s, "api_key": api_key}
+            field = next(f for f, v in given.items() if v is not None)
             raise ValueError(f"{field}: only for a served judge (give server_url)")
         elif (engine is None) == (model is None):
             raise ValueError(
@@ -320,6 +327,7 @@ class JudgeReward:
         self.server_url = None if server_url is None else server_url.rstrip("/")
         self.served_model = served_model
         self.timeout_s = None if server_url is None else float(timeout_s or DEFAULT_TIMEOUT_S)
+        self._api_key = None if server_url is None else resolve_api_key(server_url, api_key)
         self._served_chat: bool | None = None  # "auto": does the server's model have a chat template
         self._lock = threading.Lock()
         self._counts = collections.Counter[str]()
@@ -434,7 +442,8 @@ class JudgeReward:
     # ------------------------------------------------------------------ served judge
 
     def _client(self) -> ServerClient:
-        return ServerClient(self.server_url, timeout_s=self.timeout_s)  # no connection held
+        # no connection held
+        return ServerClient(self.server_url, timeout_s=self.timeout_s, api_key=self._api_key)
 
     def served_model_name(self) -> str:
         """The model name the requests carry: ``served_model``, else the one base model the
