@@ -15,7 +15,7 @@ one local ``vllm serve`` process on CPU, then ``train.steps`` (12) RL steps at `
 (5e-4 lowered the success rate in 8 steps: 0.36 -> 0.18 greedy, measured).
 
     python recipes/agent_http.py
-    python recipes/agent_http.py --servers http://127.0.0.1:8000   # servers already running
+    VLLM_API_KEY=... python recipes/agent_http.py --servers http://127.0.0.1:8000   # servers already running
     python recipes/agent_http.py --num-servers 2 algorithm.advantage=gigpo
 
 docs/server.md ("Agents over HTTP") has the measured run.
@@ -54,10 +54,14 @@ PAIRS = [(a, b) for a in range(2, 10) for b in range(2, 10)]
 EVAL = PAIRS[::3]
 
 
-def calculator_agent(base_url: str, task: tuple[int, int], *, max_calls: int = 3) -> float:
-    """The user's agent: an ``openai`` client, a calculator tool, reward 1 for the right answer."""
+def calculator_agent(
+    base_url: str, task: tuple[int, int], *, max_calls: int = 3, api_key: str = "unused"
+) -> float:
+    """The user's agent: an ``openai`` client, a calculator tool, reward 1 for the right answer.
+    ``api_key``: the endpoint's bearer token, which ``collect_agent_episodes`` passes when the
+    endpoint requires one (it listens beyond loopback); a loopback endpoint ignores it."""
     openai = require("openai")
-    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120, max_retries=0)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=120, max_retries=0)
     messages = [{"role": "user", "content": f"Q {task[0]}*{task[1]}"}]
     for _ in range(max_calls):
         reply = client.chat.completions.create(model="rollkit", messages=messages, max_tokens=8)

@@ -4,7 +4,8 @@ agent written with the plain ``openai`` package through real ``vllm serve`` proc
 The agent is a calculator-tool user: it asks the policy a multiplication (``"Q 3*7"``); a reply
 ``"C 3*7"`` calls the calculator, whose result goes back as a tool message (``"R 21"``); a
 reply ``"A 21"`` answers (reward 1 if right). The fast tests run the endpoint over the
-transformers engine; the training test (slow) over one vLLM server on CPU.
+transformers engine; the training test (slow) over one vLLM server on CPU. An endpoint that
+listens beyond loopback requires its bearer token.
 """
 
 import copy
@@ -20,6 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest.importorskip("transformers")
 pytest.importorskip("openai")
 
+import httpx
 import openai
 import torch
 
@@ -37,10 +39,10 @@ MODEL_KW = {"hidden_size": 64, "heads": 2, "kv_heads": 1}
 RL_STEPS = 3
 
 
-def talkative_agent(base_url, task):
+def talkative_agent(base_url, task, api_key="unused"):
     """Three calls whatever the answers (a tool message after each): multi-turn episodes even
     with a random policy."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=60, max_retries=0)
     messages = [{"role": "user", "content": f"Q {task[0]}*{task[1]}"}]
     for k in range(3):
         text = (
@@ -110,6 +112,53 @@ def test_endpoint_serves_an_openai_client_and_records_trajectories(tok):
         assert int(traj.response_mask.sum()) == sum(len(t.action_ids) for t in e.turns)
     tb = batch.to_batch(max_context=96, pad_token_id=tok.pad_token_id)
     assert tb.response_mask.shape[0] == 4
+
+
+def test_an_endpoint_beyond_loopback_requires_its_token(tok, capsys):
+    """Bound to every interface (reached here over 127.0.0.1), the endpoint generates a token and
+    says so in one line; a call without it, or with a wrong one, gets 401 and nothing is
+    recorded; the real openai client with ``api_key=token`` works, and ``collect_agent_episodes``
+    hands the token to agents that take an ``api_key`` argument. A loopback endpoint given a
+    token requires it too; one without a token answers any caller (the tests above)."""
+    engine = HFRolloutEngine(tiny_qwen2(tok, seed=0, **MODEL_KW), tok)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+    msgs = [{"role": "user", "content": "Q 3*7"}]
+    with AgentEndpoint(engine, tok, params=params, max_context=96, host="0.0.0.0") as ep:
+        said = capsys.readouterr().err.strip().splitlines()
+        assert ep.api_key and len(ep.api_key) >= 40
+        assert len(said) == 1 and "beyond loopback" in said[0] and "AgentEndpoint.api_key" in said[0]
+        assert ep.api_key not in said[0]
+        sid = ep.open_session()
+        base = f"http://127.0.0.1:{ep.port}/s/{sid}/v1"
+        for key in ("unused", "not-" + ep.api_key):
+            client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30)
+            with pytest.raises(openai.AuthenticationError, match="Authorization: Bearer"):
+                client.chat.completions.create(model="rollkit", messages=msgs)
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        with httpx.Client(timeout=30) as http:  # no Authorization header at all
+            raw = http.post(base + "/chat/completions", json={"model": "rollkit", "messages": msgs})
+        assert raw.status_code == 401 and raw.headers["www-authenticate"] == "Bearer"
+        assert raw.json()["error"]["code"] == 401
+        s = ep._sessions[sid]
+        assert s.recorder.turns == [] and s.errors == [] and s.calls == 0  # nothing recorded
+        client = openai.OpenAI(base_url=base, api_key=ep.api_key, max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list().data] == ["rollkit"]
+        reply = client.chat.completions.create(model="rollkit", messages=msgs)
+        assert len(ep.close_session(sid).recorder.turns) == 1 and reply.choices[0].message.content is not None
+        batch = collect_agent_episodes(ep, calculator_agent, [(3, 7)], group_size=2)
+        assert batch.metrics["agent/errors"] == 0 and len(batch.episodes) == 2
+        # an agent that takes no api_key never gets the token: its calls are refused
+        batch = collect_agent_episodes(ep, lambda url, task: calculator_agent(url, task), [(3, 7)])
+        assert batch.metrics["agent/errors"] == 1 and batch.episodes == []
+    with AgentEndpoint(engine, tok, params=params, api_key="s3cret-token") as ep:  # loopback, a token given
+        assert capsys.readouterr().err == ""
+        root = f"{ep.url}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=root, api_key="unused", max_retries=0, timeout=30).models.list()
+        assert openai.OpenAI(base_url=root, api_key="s3cret-token", max_retries=0, timeout=30).models.list()
+    with pytest.raises(ValueError, match="api_key: expected a non-empty str"):
+        AgentEndpoint(engine, tok, params=params, api_key="")
 
 
 @pytest.mark.slow

@@ -106,10 +106,11 @@ def qwen_tok():
 TOOLS = ToolRegistry([python_tool(timeout_s=3.0)])  # 3 s: a loaded CI machine starts bwrap slowly
 
 
-def tool_agent(base_url, task, *, stream=False):
+def tool_agent(base_url, task, *, stream=False, api_key="unused"):
     """An agent with the openai client: sends the tools, runs every tool call the model makes
-    with the registry (errors and timeouts are tool messages), stops at an answer without calls."""
-    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=60, max_retries=0)
+    with the registry (errors and timeouts are tool messages), stops at an answer without calls.
+    ``api_key``: the endpoint's token, when it requires one."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=60, max_retries=0)
     messages = [{"role": "user", "content": task}]
     for _ in range(6):
         kw = dict(model="rollkit", messages=messages, tools=TOOLS.schemas(), max_tokens=64)
@@ -154,14 +155,18 @@ SCRIPT = [
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_call_round_trip_is_token_exact(qwen_tok, stream):
-    """tools -> tool_calls -> tool messages (an error, a timeout, a result) -> final answer."""
+    """tools -> tool_calls -> tool messages (an error, a timeout, a result) -> final answer.
+    The streamed variant runs on an endpoint bound beyond loopback: its token reaches the agent
+    through ``collect_agent_episodes`` and every streamed call carries it."""
     engine = ScriptedEngineTestDouble(qwen_tok, SCRIPT)
     params = SamplingParams(temperature=1.0, max_tokens=64, seed=0)
-    with AgentEndpoint(engine, qwen_tok, params=params, max_context=2048) as ep:
+    host = "0.0.0.0" if stream else "127.0.0.1"
+    with AgentEndpoint(engine, qwen_tok, params=params, max_context=2048, host=host) as ep:
+        assert (ep.api_key is not None) == stream
         seen = []
 
-        def agent(url, task):
-            seen.append(tool_agent(url, task, stream=stream))
+        def agent(url, task, api_key="unused"):
+            seen.append(tool_agent(url, task, stream=stream, api_key=api_key))
             return 1.0 if "447283" in (seen[-1][-1].get("content") or "") else 0.0
 
         batch = collect_agent_episodes(ep, agent, ["What is 347 * 1289?"])

@@ -23,13 +23,23 @@ re-rendering of its tool calls; the template only writes the glue and the new me
 ``stream: true`` answers with server-sent events in OpenAI's chunk format, ending with
 ``data: [DONE]`` (the answer is generated whole, then sent as chunks). ``n > 1``: see
 :class:`AgentEndpoint`. Every call has a deadline (``deadline_s``).
+
+An endpoint that listens beyond loopback (``host`` not ``127.0.0.1`` / ``::1`` /
+``localhost``) requires a bearer token (``api_key``, generated when none is given, and said so
+in one line on stderr at start): a call without ``Authorization: Bearer <token>`` is answered
+401 and nothing is recorded. :func:`collect_agent_episodes` hands the token to agents that take
+an ``api_key`` argument.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import ipaddress
 import json
 import re
+import secrets
+import sys
 import threading
 import time
 import uuid
@@ -42,6 +52,7 @@ from typing import Any
 
 from rollkit.trajectory import Turn
 from trainers.engines.base import Generation, SamplingParams
+from trainers.engines.server_auth import bearer_ok, check_api_key
 from trainers.envs.base import stable_state_id
 from trainers.envs.episodes import EpisodeBatch, EpisodeRecord
 from trainers.envs.tools import parse_tool_calls
@@ -52,6 +63,7 @@ __all__ = [
     "ChatRecorder",
     "DeadlineError",
     "collect_agent_episodes",
+    "is_loopback",
     "split_tool_calls",
 ]
 
@@ -325,6 +337,21 @@ def _request(body: Any, default_tokens: int) -> dict[str, Any]:
     }
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address only this machine reaches (``localhost`` or a
+    literal loopback IP); anything else (``0.0.0.0``, ``""``, a name, a LAN address) is not.
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("localhost"), is_loopback("0.0.0.0")
+    (True, True, True, False)
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _choice(index: int, message: dict[str, Any], g: Generation) -> dict[str, Any]:
     finish = "tool_calls" if message.get("tool_calls") else g.finish_reason
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
@@ -345,6 +372,12 @@ class AgentEndpoint:
         chat_template: as :class:`ChatRecorder`.
         model_name: the model id ``/v1/models`` lists.
         host, port: where to listen (port 0: a free one).
+        api_key: the bearer token every call must carry (``Authorization: Bearer <api_key>``,
+            what the ``openai`` client sends as its ``api_key``); a call without it answers 401
+            and records nothing. ``None``: on a loopback ``host`` no token is required; beyond
+            loopback one is generated (``secrets.token_urlsafe(32)``) and the endpoint says so
+            on stderr at start. The token is :attr:`api_key`; :func:`collect_agent_episodes`
+            passes it to agents that take an ``api_key`` argument.
         deadline_s: the longest one call may take, waiting for the episode's previous call and
             generating; past it the call answers 504, the session records the error (the
             episode is dropped) and the engine's late answer is discarded. Socket reads and
@@ -374,11 +407,18 @@ class AgentEndpoint:
         port: int = 0,
         deadline_s: float = 300.0,
         serve_unrecorded: bool = False,
+        api_key: str | None = None,
     ) -> None:
         if params.n != 1:
             raise ValueError(f"params.n: one answer per call, got {params.n}")
         if not deadline_s > 0:
             raise ValueError(f"deadline_s: expected > 0, got {deadline_s!r}")
+        if api_key is not None:
+            check_api_key(api_key)
+        elif not is_loopback(host):
+            api_key = secrets.token_urlsafe(32)
+        #: the bearer token calls must carry (``None``: none required, a loopback endpoint)
+        self.api_key: str | None = api_key
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
         self.max_context, self.chat_template, self.model_name = int(max_context), chat_template, model_name
         self.deadline_s, self.serve_unrecorded = float(deadline_s), bool(serve_unrecorded)
@@ -393,6 +433,14 @@ class AgentEndpoint:
             target=self._httpd.serve_forever, name="rollkit-agent-endpoint", daemon=True
         )
         self._thread.start()
+        if self.api_key is not None and not is_loopback(host):
+            print(
+                f"rollkit: AgentEndpoint listens on {host or '0.0.0.0'}:{self.port}, beyond loopback: every "
+                "call needs 'Authorization: Bearer <token>' (the token is AgentEndpoint.api_key; "
+                "collect_agent_episodes passes it to agents that take an api_key argument)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @property
     def url(self) -> str:
@@ -570,6 +618,34 @@ class AgentEndpoint:
         self.close()
 
 
+#: the largest body a refused (401) call is read to its end (larger ones are left unread)
+_DRAIN_LIMIT = 1 << 20
+
+
+def _authorized(h: BaseHTTPRequestHandler, api_key: str | None) -> bool:
+    """Whether a call may go on (no token required, or it carries the token); else it is answered
+    401 (a JSON error and ``WWW-Authenticate: Bearer``) before anything reaches a session, so
+    nothing is recorded."""
+    if api_key is None or bearer_ok(h.headers.get("authorization"), api_key):
+        return True
+    try:  # read a small body, so that closing the socket does not reset the answer away
+        length = int(h.headers.get("content-length") or 0)
+        if 0 < length <= _DRAIN_LIMIT:
+            h.rfile.read(length)
+    except (ValueError, OSError):
+        pass
+    message = "unauthorized: this endpoint needs 'Authorization: Bearer <token>' (AgentEndpoint.api_key)"
+    raw = json.dumps({"error": {"message": message, "type": "authentication_error", "code": 401}}).encode()
+    h.close_connection = True
+    h.send_response(401)
+    for k, v in (("content-type", "application/json"), ("content-length", str(len(raw)))):
+        h.send_header(k, v)
+    h.send_header("www-authenticate", "Bearer")
+    h.end_headers()
+    h.wfile.write(raw)
+    return False
+
+
 def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = endpoint.deadline_s  # socket reads / writes of one connection
@@ -611,6 +687,8 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
             return None, "/" + "/".join(parts)
 
         def do_GET(self) -> None:
+            if not _authorized(self, endpoint.api_key):
+                return
             _, route = self._session()
             if route == "/v1/models":
                 model = {"id": endpoint.model_name, "object": "model", "owned_by": "rollkit"}
@@ -624,6 +702,8 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
             self._error(code, message)
 
         def do_POST(self) -> None:
+            if not _authorized(self, endpoint.api_key):
+                return
             sid, route = self._session()
             if route != "/v1/chat/completions":
                 return self._error(404, f"no route POST {self.path} (use the base_url of a session)")
@@ -671,6 +751,17 @@ def _episode(
     )
 
 
+def _takes_api_key(agent: Callable[..., Any]) -> bool:
+    """Whether ``agent`` can be called with an ``api_key`` keyword argument."""
+    try:
+        params = inspect.signature(agent).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: called as before
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == "api_key" and p.kind is not p.POSITIONAL_ONLY) for p in params
+    )
+
+
 def collect_agent_episodes(
     endpoint: AgentEndpoint,
     agent: Agent,
@@ -683,7 +774,9 @@ def collect_agent_episodes(
 ) -> EpisodeBatch:
     """Play ``group_size`` episodes of each task with ``agent`` through ``endpoint``.
 
-    Each episode runs ``agent(endpoint.base_url(session), task)`` on a thread; its reward is
+    Each episode runs ``agent(endpoint.base_url(session), task)`` on a thread (with
+    ``api_key=endpoint.api_key`` when the endpoint requires a token and the agent takes an
+    ``api_key`` argument, or ``**kwargs``: give it to the ``openai`` client); its reward is
     what the agent returns (a number or a bool), or ``verifier(task, answers)`` when given (the
     texts of rollkit's answers). The reward goes on the last turn. An episode whose agent raised
     or made no call is dropped (``agent/errors``); the kept ones are grouped by task
@@ -693,11 +786,12 @@ def collect_agent_episodes(
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     jobs = [(g, j, endpoint.open_session(params)) for g in range(len(tasks)) for j in range(group_size)]
+    extra = {"api_key": endpoint.api_key} if endpoint.api_key is not None and _takes_api_key(agent) else {}
 
     def play(job: tuple[int, int, str]) -> tuple[float | None, str | None]:
         g, _, sid = job
         try:
-            out = agent(endpoint.base_url(sid), tasks[g])
+            out = agent(endpoint.base_url(sid), tasks[g], **extra)
             if verifier is not None:
                 out = verifier(tasks[g], list(endpoint._sessions[sid].recorder.texts))
             return float(out), None
