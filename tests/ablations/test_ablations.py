@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -397,7 +396,12 @@ def test_end_to_end_tiny_model_resumes(tmp_path, capsys):
     nothing; deleting one cell's done.json re-runs that cell only."""
     ablate = _ablate()
     out = tmp_path / "abl"
-    argv = ["--grid", "algorithm.advantage=grpo,dr-grpo", "--grid", "algorithm.aggregation=seq-mean-token-mean"]
+    argv = [
+        "--grid",
+        "algorithm.advantage=grpo,dr-grpo",
+        "--grid",
+        "algorithm.aggregation=seq-mean-token-mean",
+    ]
     argv += ["--seeds", "0", "--out", str(out), "--parallel", "1", "--", *TINY]
     assert ablate.main(argv) == 0
     assert "0 done already, 2 to run" in capsys.readouterr().out
@@ -408,7 +412,9 @@ def test_end_to_end_tiny_model_resumes(tmp_path, capsys):
         assert (out / f).is_file(), f
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "summary.md").read_text()
-    assert "| `dr-grpo` | `seq-mean-token-mean` | 1 |" in md and "| `grpo` | `seq-mean-token-mean` | 1 |" in md
+    assert (
+        "| `dr-grpo` | `seq-mean-token-mean` | 1 |" in md and "| `grpo` | `seq-mean-token-mean` | 1 |" in md
+    )
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 3  # steps 0, 1, 2 per cell
 
@@ -425,14 +431,15 @@ def test_end_to_end_tiny_model_resumes(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_ray_runs_cells_as_tasks(tmp_path, monkeypatch):
-    pytest.importorskip("ray")
-    import ray
-
+    """Two cells as Ray tasks at once, one step each, on a local Ray started here."""
+    ray = pytest.importorskip("ray")
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         cells = ab.expand_grid(
-            [ab.parse_factor("algorithm.advantage=grpo,rloo")], [0], [*TINY[2:], "model.path=tiny"]
+            [ab.parse_factor("algorithm.advantage=grpo,rloo")],
+            [0],
+            [*TINY[2:], "model.path=tiny", "train.steps=1"],
         )
         cmd = [sys.executable, str(ROOT / "recipes" / "rlvr_qwen.py")]
         res = ab.run_cells(cells, tmp_path, cmd, parallel=2, use_ray=True, log=lambda s: None)
@@ -441,4 +448,3 @@ def test_ray_runs_cells_as_tasks(tmp_path, monkeypatch):
         assert ab.run_cells(cells, tmp_path, cmd, use_ray=True, log=lambda s: None)[0].status == "skipped"
     finally:
         ray.shutdown()
-    assert os.environ.get("RAY_USAGE_STATS_ENABLED") == "0"
