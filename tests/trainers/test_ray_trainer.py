@@ -101,11 +101,13 @@ def _rollout_state(tr):
     return ray.get(actor.__ray_call__.remote(lambda self: dict(self.engine.model.named_parameters())))
 
 
-def _no_leaks(timeout_s=20.0):
+def _no_leaks(cap_s=120.0):
+    """Every CPU free again (the actors' and placement groups' released), waited for: Ray frees
+    them asynchronously; ``cap_s`` only bounds a leak."""
     import time
 
-    t0 = time.time()
-    while time.time() - t0 < timeout_s:
+    end = time.monotonic() + cap_s
+    while time.monotonic() < end:
         if ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]:
             return True
         time.sleep(0.2)
@@ -416,17 +418,20 @@ def test_a_hung_rollout_actor_stops_the_run_with_its_name(cluster, tok, warm_mod
 
     cfg = load_config(
         [*BASE, f"logging.dir={tmp_path}", "placement.mode=disaggregated", "placement.cpus_per_worker=0.5",
-         "rollout.prompts_per_step=2", "rollout.n=2", "ray.timeout_s=6"]
+         "rollout.prompts_per_step=2", "rollout.n=2", "ray.timeout_s=600"]
     )  # fmt: skip
     tr = SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok)
     pid = _pid(tr.rollout.actors[0])
     try:
-        tr.step()  # healthy
+        tr.step()  # healthy, under ray.timeout_s=600 (a busy machine may answer slowly)
         os.kill(pid, signal.SIGSTOP)
+        tr.rollout.timeout_s = 6.0  # once stopped: no answer can come, however fast the machine
         t0 = time.monotonic()
         with pytest.raises(ActorCallError, match=r"rollout actor.*0.*no answer within 6 s"):
             tr.step()
-        assert time.monotonic() - t0 < 60
+        # the deadline ended the step, not ray.timeout_s (600 s): the bound leaves a busy machine
+        # time for the rest of the step
+        assert time.monotonic() - t0 < 300
     finally:
         tr.close()
         try:
@@ -445,7 +450,8 @@ def test_async_close_after_a_rollout_actor_died_frees_everything(cluster, tok, w
     cfg = load_config(
         [*BASE, f"logging.dir={tmp_path}", "placement.mode=disaggregated", "placement.rollout_workers=2",
          "placement.cpus_per_worker=0.5", "rollout.prompts_per_step=2", "rollout.n=2", "asynchronous.ratio=1",
-         "algorithm.policy_loss=decoupled-ppo", "reward.backend=process", "reward.num_workers=1", "ray.timeout_s=20"]
+         "algorithm.policy_loss=decoupled-ppo", "reward.backend=process", "reward.num_workers=1",
+         "ray.timeout_s=120"]  # the healthy step's calls on a busy machine; the death is told at once
     )  # fmt: skip
     tr = AsyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok)
     pool_pids = tr.rewards.worker_pids()

@@ -160,7 +160,7 @@ def test_inline_pool_scores_in_batches_at_gather(rm_dir, direct_scores):
 class _Scripted:
     """A batch verifier: ``score_batch`` returns len(completion), raises if a completion is
     "raise" (then the pool scores one at a time: only that sample fails), "nan" is non-finite,
-    "sleep" makes the batch take 0.3 s."""
+    "sleep" makes the batch take 0.6 s."""
 
     batch_size = 3
 
@@ -168,7 +168,7 @@ class _Scripted:
         if "raise" in completions:
             raise RuntimeError("batch failed")
         if "sleep" in completions:
-            time.sleep(0.3)
+            time.sleep(0.6)
         return [math.nan if c == "nan" else float(len(c)) for c in completions]
 
     def __call__(self, completion, prompt):
@@ -178,13 +178,15 @@ class _Scripted:
 
 
 def test_inline_batches_keep_errors_per_sample_and_time_out_as_a_batch():
-    with RewardPool(_Scripted(), backend="inline", timeout_s=0.05) as pool:
+    # 0.15 s a sample: far more than a fast batch takes, even on a loaded machine (a pause of the
+    # interpreter included); the slow batch takes more than its 3 x 0.15 s
+    with RewardPool(_Scripted(), backend="inline", timeout_s=0.15) as pool:
         for k, c in enumerate(["a", "raise", "ccc", "dd", "nan", "e"]):
             pool.submit(k, c, PROMPTS[0])
         assert pool.gather() == {0: 1.0, 1: 0.0, 2: 3.0, 3: 2.0, 4: 0.0, 5: 1.0}
         m = pool.metrics()
         assert (m["scored"], m["errors"], m["timeouts"]) == (6, 2, 0)
-        # a batch of 3 that takes 0.3 s > 3 x 0.05 s: every sample of it times out
+        # a batch of 3 that takes 0.6 s > 3 x 0.15 s: every sample of it times out
         for k, c in enumerate(["sleep", "bb", "c", "dddd"]):
             pool.submit(k, c, PROMPTS[0])
         assert pool.gather() == {0: 0.0, 1: 0.0, 2: 0.0, 3: 4.0}
@@ -219,19 +221,23 @@ def test_process_pool_scores_the_reward_model_in_batches(rm_dir, direct_scores):
 
 
 @pytest.mark.slow
-def test_process_pool_batch_timeout_and_crash():
+def test_process_pool_batch_timeout_and_crash(tmp_path):
     """A batch past timeout_s x its length scores 0 and counts a timeout per sample; a worker
     that dies on a batch is one crash, and its samples are retried one at a time."""
     import _reward_doubles as doubles
 
-    with RewardPool(doubles.BatchScripted(), backend="process", num_workers=1, timeout_s=0.5) as pool:
+    gate = tmp_path  # a worker finishes its setup once given a token: the samples are queued by then
+    with RewardPool(doubles.BatchScripted(gate), backend="process", num_workers=1, timeout_s=0.5) as pool:
         for k, c in enumerate(["sleep", "b", "c"]):  # one batch of 3, 6 s > 3 x 0.5 s
             pool.submit(k, c, PROMPTS[0])
+        doubles.BatchScripted.add_tokens(gate, 1)
         assert pool.gather() == {0: 0.0, 1: 0.0, 2: 0.0}
         m = pool.metrics()
         assert (m["timeouts"], m["restarts"]) == (3, 1)
         for k, c in enumerate(["aa", "exit", "cccc"]):  # one batch; "exit" kills the worker
             pool.submit(k, c, PROMPTS[0])
+        # the replacement, then one worker per crash (the batch's, then "exit" retried alone)
+        doubles.BatchScripted.add_tokens(gate, 3)
         assert pool.gather() == {0: 2.0, 1: 0.0, 2: 4.0}  # "exit" retried alone, dies again
         m = pool.metrics()
         assert (m["crashes"], m["retries"], m["crash_failures"], m["scored"]) == (2, 3, 1, 6)

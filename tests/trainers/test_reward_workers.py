@@ -33,6 +33,18 @@ from trainers.rewards import (
 
 Q = Prompt("12+34=", "46", "addition")
 
+#: the cap of every wait for an event below (a worker replaced, a pool grown or shrunk, a file
+#: written): it only bounds a hang, a loaded machine is never this slow
+CAP_S = 120.0
+
+
+def wait_until(cond, cap=CAP_S):
+    """Poll ``cond()`` until it is truthy or ``cap`` seconds passed; returns its last value."""
+    end = time.monotonic() + cap
+    while not (value := cond()) and time.monotonic() < end:
+        time.sleep(0.02)
+    return value
+
 
 # --------------------------------------------------------------------------- verifiers
 
@@ -152,12 +164,14 @@ def test_math_verify_bad_gold_and_arguments():
 
 
 def test_inline_pool_keys_errors_and_metrics():
-    with RewardPool(doubles.scripted, backend="inline", timeout_s=0.05) as pool:
+    # 0.25 s: far more than a fast sample takes, even on a loaded machine (a pause of the
+    # interpreter included); the slow one takes twice that
+    with RewardPool(doubles.scripted, backend="inline", timeout_s=0.25) as pool:
         pool.submit(("p0", 0), "46", Q)
         pool.submit(("p0", 1), "45", Q)
         pool.submit("boom", "raise", Q)
         pool.submit("nan", "nan", Q)
-        pool.submit("slow", "sleep:0.1:1", Q)  # cannot be interrupted inline: 0.0 afterwards
+        pool.submit("slow", "sleep:0.5:1", Q)  # cannot be interrupted inline: 0.0 afterwards
         pool.submit("main", "main-thread?", Q)
         with pytest.raises(ValueError, match=r"key 'boom' was already submitted"):
             pool.submit("boom", "46", Q)
@@ -171,7 +185,7 @@ def test_inline_pool_keys_errors_and_metrics():
         }
         m = pool.metrics()
         assert (m["scored"], m["errors"], m["timeouts"], m["crashes"]) == (6, 2, 1, 0)
-        assert m["busy_s"] >= 0.1 and m["pending"] == 0 and m["queue_hwm"] == 1
+        assert m["busy_s"] >= 0.5 and m["pending"] == 0 and m["queue_hwm"] == 1
         assert (m["workers"], m["workers_hwm"], m["scale_ups"], m["scale_downs"]) == (0, 0, 0, 0)
         assert (m["retries"], m["crash_failures"], m["restarts"]) == (0, 0, 0)
         assert any("RuntimeError: verifier failed on purpose" in e for e in pool.recent_errors)
@@ -214,23 +228,25 @@ def test_pool_bad_arguments():
 # --------------------------------------------------------------------------- process / ray pools
 
 
-def run_failure_scenario(pool, *, timeout_s):
+def run_failure_scenario(pool):
     """Out-of-order completion, a raise, a timeout and a sample that kills its worker on every
     attempt (retried once, then 0.0) in one round, then a clean round on the replaced workers.
-    Returns the metrics."""
+    Returns the metrics. The pool's ``timeout_s`` must leave the 0.3 s samples a wide margin
+    (a loaded machine adds latency to every one)."""
     # sample k sleeps (6 - k) * 50 ms and returns k: later submissions finish first
     for k in range(6):
         pool.submit(("ordered", k), f"sleep:{(6 - k) * 0.05}:{k}", Q)
     pool.submit("raise", "raise", Q)
-    pool.submit("hang", f"sleep:{timeout_s * 200}:1", Q)
+    pool.submit("hang", "sleep:3600:1", Q)
     pool.submit("exit", "exit", Q)
     pool.submit("right", "46", Q)
     pool.submit("main", "main-thread?", Q)
     t0 = time.perf_counter()
     got = pool.gather()
-    # the hang was cut short (the bound leaves room for three replacement workers to start:
-    # a spawned worker imports torch with the rewards package)
-    assert time.perf_counter() - t0 < timeout_s * 60
+    # the hang was cut short: in far less than its hour (the bound leaves room for three
+    # replacement workers to start on a loaded machine: each imports torch; on Ray under two
+    # busy processes the round took 273 s)
+    assert time.perf_counter() - t0 < 1800
     assert got == {
         **{("ordered", k): float(k) for k in range(6)},
         "raise": 0.0,
@@ -257,10 +273,10 @@ def run_failure_scenario(pool, *, timeout_s):
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_process_pool_failures(start_method):
     with RewardPool(
-        doubles.scripted, backend="process", num_workers=2, timeout_s=0.5, start_method=start_method
+        doubles.scripted, backend="process", num_workers=2, timeout_s=1.0, start_method=start_method
     ) as pool:
         pids = pool.worker_pids()
-        run_failure_scenario(pool, timeout_s=0.5)
+        run_failure_scenario(pool)
         assert len(set(pool.worker_pids()) - set(pids)) == 2  # the hung and the dead worker
 
 
@@ -270,10 +286,7 @@ def test_process_pool_worker_killed_from_outside(tmp_path):
     # max_retries=0: the killed sample scores 0.0 (with retries it would be scored again)
     with RewardPool(doubles.scripted, backend="process", num_workers=1, timeout_s=30, max_retries=0) as pool:
         pool.submit("a", f"started:{flag}", Q)
-        deadline = time.time() + 20
-        while not flag.exists() and time.time() < deadline:
-            time.sleep(0.02)
-        assert flag.exists()
+        assert wait_until(flag.exists), "the worker never started scoring"
         os.kill(pool.worker_pids()[0], signal.SIGKILL)
         pool.submit("b", "46", Q)
         assert pool.gather() == {"a": 0.0, "b": 1.0}
@@ -310,11 +323,10 @@ def test_math_verify_in_workers():
         assert got == {**{k: r for k, (_, _, r) in enumerate(cases)}, "hang": 0.0}
         assert pool.metrics()["timeouts"] == 1
     with RewardPool(MathVerifier(timeout_s=1), backend="process", num_workers=1, timeout_s=30) as pool:
-        t0 = time.perf_counter()
         pool.submit("hang", "\\boxed{9^{9^{9^{9}}}}", Prompt("q", "3"))
         pool.submit("ok", "\\boxed{3}", Prompt("q", "3"))
         assert pool.gather() == {"hang": 0.0, "ok": 1.0}
-        assert pool.metrics()["timeouts"] == 0 and time.perf_counter() - t0 < 25
+        assert pool.metrics()["timeouts"] == 0  # Math-Verify's 1 s alarm ended it, not the pool's 30 s
 
 
 def test_ray_backend_needs_ray_init():
@@ -339,8 +351,8 @@ def ray_session():
 
 @pytest.mark.slow
 def test_ray_pool_failures(ray_session):
-    with RewardPool(doubles.scripted, backend="ray", num_workers=2, timeout_s=1.0) as pool:
-        run_failure_scenario(pool, timeout_s=1.0)
+    with RewardPool(doubles.scripted, backend="ray", num_workers=2, timeout_s=2.0) as pool:
+        run_failure_scenario(pool)
 
 
 @pytest.mark.slow
@@ -353,18 +365,17 @@ def test_ray_pool_math_verify_alarm_works_in_actors(ray_session):
 
 
 @pytest.mark.slow
-def test_process_pool_poll_returns_scores_as_they_arrive():
-    with RewardPool(doubles.scripted, backend="process", num_workers=1, timeout_s=10) as pool:
+def test_process_pool_poll_returns_scores_as_they_arrive(tmp_path):
+    release = tmp_path / "release"
+    with RewardPool(doubles.scripted, backend="process", num_workers=1, timeout_s=60) as pool:
         assert pool.poll() == {}
         pool.submit("fast", "46", Q)
-        pool.submit("slow", "sleep:0.5:1", Q)
+        pool.submit("slow", f"wait:{release}:1", Q)  # scored once the test releases it
         got: dict = {}
-        deadline = time.time() + 20
-        while "fast" not in got and time.time() < deadline:
-            got.update(pool.poll())
-            time.sleep(0.01)
+        assert wait_until(lambda: got.update(pool.poll()) or "fast" in got)
         assert got == {"fast": 1.0}  # the slow one is still being scored
         pool.submit("fast", "45", Q)  # a polled key may be submitted again
+        release.touch()
         assert pool.gather() == {"slow": 1.0, "fast": 0.0}
         assert pool.poll() == {}
 
@@ -391,9 +402,7 @@ def run_scaling_scenario(pool, *, burst, sleep_s):
     assert pool.gather() == {k: float(k) for k in range(burst)}
     m = pool.metrics()
     assert m["workers_hwm"] == hi and m["scale_ups"] == hi - lo  # grew to the cap, not beyond
-    deadline = time.time() + 60
-    while pool.metrics()["workers"] > lo and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: pool.metrics()["workers"] <= lo)  # idle for idle_s: shrunk
     m = pool.metrics()
     assert m["workers"] == lo and m["scale_downs"] == hi - lo and m["workers_hwm"] == hi
     assert m["restarts"] == 0 and m["crashes"] == 0 and m["timeouts"] == 0
@@ -415,9 +424,7 @@ def test_process_pool_grows_with_its_queue_and_shrinks_when_idle():
         # a second burst grows it again, by new processes
         for k in range(4):
             pool.submit(k, f"sleep:0.5:{k}", Q)
-        deadline = time.time() + 30
-        while pool.metrics()["workers"] < 3 and time.time() < deadline:
-            time.sleep(0.02)
+        assert wait_until(lambda: pool.metrics()["workers"] >= 3)
         assert len(set(pool.worker_pids()) - set(survivor)) == 2  # two new processes
         assert pool.gather() == {k: float(k) for k in range(4)}
         assert pool.metrics()["scale_ups"] == 4
@@ -438,9 +445,7 @@ def test_process_pool_scaled_workers_fail_like_fixed_ones():
         assert (m["timeouts"], m["crashes"], m["retries"], m["restarts"]) == (1, 2, 1, 3) and m[
             "workers_hwm"
         ] == 2
-        deadline = time.time() + 30
-        while pool.metrics()["workers"] > 1 and time.time() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: pool.metrics()["workers"] <= 1)  # the surplus worker, idle, stops
         assert pool.metrics()["workers"] == 1
 
 

@@ -21,6 +21,11 @@ gap as the reason, so the suite fails if the fallback starts (or stops) containi
 The fork bomb is bounded whatever happens: ``max_procs=8`` (each run gets a fresh unprivileged
 uid when the trainer is root, because root ignores ``RLIMIT_NPROC``), a 1 s timeout, and the
 process group, PID namespace and uid are swept afterwards.
+
+Only the programs that never end by themselves (:data:`ENDLESS`) run with that 1 s timeout; the
+others run with a deadline they never reach (:data:`SELF_ENDING_TIMEOUT_S`), so that a loaded
+machine cannot cut one short before it tried its attack (a timed-out attack would pass by luck,
+and the fallback's expected failures would turn into unexpected passes).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from trainers.rewards.sandbox import bwrap_status, fallback_gaps
 
 ROOT = Path(__file__).resolve().parents[2]
 SANDBOX_PY = ROOT / "trainers" / "rewards" / "sandbox.py"
-TIMEOUT_S = 1.0
+TIMEOUT_S = 1.0  # the programs that only a limit ends (ENDLESS)
+SELF_ENDING_TIMEOUT_S = 120.0  # the others end by themselves, within a second on an idle machine
 LIMITS = dict(memory_mb=256, max_procs=8, max_file_mb=1, max_open_files=32, max_output_bytes=65536, work_mb=8)
 
 # Prints the start-up environment of the program and of each of its ancestors, up to init.
@@ -63,11 +69,14 @@ while pid > 1:
     print("environ", pid, environ(pid))
 """
 
+# the programs that run until a limit stops them: the 1 s timeout (or RLIMIT_CPU)
+ENDLESS = {"infinite_loop", "sleep_past_timeout", "fork_bomb"}
+
 # Substituted per test: __MARKER__ __SECRET_PATH__ __PROJECT_FILE__ __OUTSIDE__ __PORT__ __PROJECT__
 # and, by the driver, __TRAINER_PID__.
 HOSTILE = {
     "infinite_loop": "while True:\n    pass\n",
-    "sleep_past_timeout": "import time\ntime.sleep(60)\nprint(42)\n",
+    "sleep_past_timeout": "import time\ntime.sleep(600)\nprint(42)\n",
     "fork_bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"),
     "memory_bomb": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n",
     "huge_output": "import sys\nwhile True:\n    sys.stdout.write('A' * 65536)\n",
@@ -142,7 +151,7 @@ HOSTILE = {
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
         "    if os.fork() == 0:\n"
-        "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)',\n"
+        "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)',\n"
         "                                   '__MARKER__'], {})\n"
         "    os._exit(0)\n"
         "print('daemon started')\n"
@@ -184,6 +193,7 @@ def _procs_with(token: bytes) -> list[int]:
 
 
 def _gone_within(token: bytes, seconds: float) -> list[int]:
+    """The processes still carrying ``token`` once none is left or ``seconds`` passed."""
     deadline = time.monotonic() + seconds
     while True:
         left = _procs_with(token)
@@ -250,13 +260,14 @@ def _contained(name: str, isolation: str, w: dict) -> None:
     # the non-root fallback refuses to run beside the environment secret (test_fallback_env_*
     # below); here every other threat is measured, so that refusal is waived
     limits = {**LIMITS, "allow_env_secrets": isolation == "rlimit"}
-    spec = {"code": code, "timeout_s": TIMEOUT_S, "isolation": isolation, "limits": limits}
+    timeout_s = TIMEOUT_S if name in ENDLESS else SELF_ENDING_TIMEOUT_S
+    spec = {"code": code, "timeout_s": timeout_s, "isolation": isolation, "limits": limits}
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ROLLKIT_TEST_SECRET": w["env_secret"]}
     drv = subprocess.run(
         [sys.executable, "-c", DRIVER, str(ROOT), json.dumps(spec)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,  # a hang's bound: the driver imports torch, slowly on a loaded machine
         env=env,
         start_new_session=True,  # the driver is the trainer: its own group, so nothing else is at risk
     )
@@ -269,9 +280,11 @@ def _contained(name: str, isolation: str, w: dict) -> None:
     runs = res["results"]
     assert runs and all(r["isolation_used"] == isolation for r in runs)
     output = "".join(r["stdout"] + r["stderr"] for r in runs)
-    # 2. output capped, wall time bounded
+    # 2. output capped, wall time bounded: each run ended at its deadline (ENDLESS) or by itself,
+    #    never held by what it left behind (the daemon sleeps 600 s holding the output pipes); the
+    #    bound leaves a loaded machine time to start and sweep the run
     assert all(len(r["stdout"]) + len(r["stderr"]) <= LIMITS["max_output_bytes"] for r in runs)
-    assert all(r["wall_s"] < TIMEOUT_S + 2.0 for r in runs), [r["wall_s"] for r in runs]
+    assert all(r["wall_s"] < TIMEOUT_S + 60 for r in runs), [r["wall_s"] for r in runs]
     # 3. nothing read from outside
     project_line = SANDBOX_PY.read_text().splitlines()[0]
     for leak in (w["secret"], w["env_secret"], project_line, "root:x:0:0"):
@@ -282,7 +295,7 @@ def _contained(name: str, isolation: str, w: dict) -> None:
     # 5. no process left over (the run's id is in its processes' command lines; the daemon
     #    re-executes itself with the marker)
     for token in [r["run_id"] for r in runs] + [w["marker"]]:
-        left = _gone_within(token.encode(), 2.0)
+        left = _gone_within(token.encode(), 120.0)
         assert not left, f"processes left over with {token}: {left}"
     # 6. no network
     try:
@@ -307,6 +320,8 @@ def _contained(name: str, isolation: str, w: dict) -> None:
         assert runs[0]["status"] == "output_limit"
     if name in ("infinite_loop", "sleep_past_timeout"):
         assert runs[0]["status"] in ("timeout", "killed")
+    if name not in ENDLESS:  # it ran to its own end (so it did try its attack)
+        assert all(r["status"] != "timeout" for r in runs), [r["status"] for r in runs]
 
 
 def _bwrap_or_skip() -> None:
@@ -360,7 +375,7 @@ mode = sys.argv[2]
 if mode == "popped":  # gone from os.environ, still in /proc/<pid>/environ
     os.environ.pop("ROLLKIT_LEAK_SECRET")
 try:
-    r = sbx.run_python(sys.argv[3], isolation="rlimit", timeout_s=5, allow_env_secrets=mode == "allowed")
+    r = sbx.run_python(sys.argv[3], isolation="rlimit", timeout_s=120, allow_env_secrets=mode == "allowed")
     print("RAN" + json.dumps({"pid": os.getpid(), "status": r.status, "stdout": r.stdout}))
 except RuntimeError as e:
     print("REFUSED " + str(e))
@@ -383,7 +398,7 @@ def _env_trainer(mode: str, *, as_nobody: bool) -> tuple[str, str]:
         [python, "-I", "-c", ENV_DRIVER, str(SANDBOX_PY), mode, ENV_WALK],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,  # a hang's bound
         env=env,
         cwd="/tmp",
         start_new_session=True,
