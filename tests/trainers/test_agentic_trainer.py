@@ -271,15 +271,16 @@ def test_checkpoint_resume_equals_the_uninterrupted_run(tmp_path):
     and the same update up to float rounding.
 
     What is exact: the episodes (sampled with the server's seeded counters), rewards and counts.
-    What is compared to a tolerance: the floats the update computes (log-probs, loss, gradient
+    What is compared to a tolerance: the floats the engines compute (log-probs, loss, gradient
     norm, weights), whose last bits depend on the kernels' reduction order, which can change with
     the state of the process (memory alignment, what other tests loaded: in-process vLLM moved a
-    gradient norm by 1 ulp). The tolerances are 100x the drift of a reduction-order change (two
-    torch threads instead of one: weights ~1e-8 apart) and far below what a resume bug moves
-    (one optimizer step moves weights by up to lr = 1e-3)."""
+    gradient norm by 1 ulp). Measured with another reduction order (the first run on one torch
+    thread, the other two on two): the same episodes, log-probs 4.8e-7 apart (1 ulp), the ratio
+    mean 1.2e-7 (relative), weights 2e-8. The tolerances are 50-100x that, and far below what a
+    resume bug moves (one optimizer step moves a weight by up to lr = 1e-3)."""
     common = ["rollout.mode=lockstep", "algorithm.entropy_coef=0.01", "eval.before=false", "eval.episodes=2"]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one reduction order within a run (2 threads drift ~1e-8 between runs)
+    torch.set_num_threads(1)  # one reduction order within a run (2 threads drift ~2e-8 between runs)
     try:
         _resume_equals_uninterrupted(tmp_path, common)
     finally:
@@ -322,13 +323,13 @@ def _resume_equals_uninterrupted(tmp_path, common):
     for a, b in zip(want.episodes, got.episodes):  # behaviour log-probs: the engine's floats
         for ta, tb in zip(a.turns, b.turns):
             torch.testing.assert_close(
-                torch.tensor(tb.logprobs), torch.tensor(ta.logprobs), rtol=0, atol=1e-6
+                torch.tensor(tb.logprobs), torch.tensor(ta.logprobs), rtol=0, atol=5e-5
             )
     last = lambda out: [r for r in out["history"] if "time/step" in r][-1]  # noqa: E731
     exact = ("reward/mean", "success/rate", "episode/turns_mean", "train/trajectories", "rollout/episodes")
     assert {k: last(res)[k] for k in exact} == {k: last(full)[k] for k in exact}
     for k in ("loss/ratio_mean", "optim/grad_norm"):  # computed by the update: to float rounding
-        assert last(res)[k] == pytest.approx(last(full)[k], rel=1e-6, abs=1e-9), k
+        assert last(res)[k] == pytest.approx(last(full)[k], rel=1e-5, abs=1e-9), k
     diff = max(float((w_full[k] - w_res[k]).abs().max()) for k in w_full)
     assert diff <= 1e-6, diff
 
