@@ -101,7 +101,7 @@ def ray_session():
         pytest.skip("a Ray session is running")
     this = sys.modules[__name__]
     cloudpickle.register_pickle_by_value(this)  # Ray workers need not find the test module
-    ray.init(num_cpus=2, object_store_memory=80 * 1024**2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=80 * 1024**2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
     cloudpickle.unregister_pickle_by_value(this)
@@ -109,5 +109,8 @@ def ray_session():
 
 @pytest.mark.slow
 def test_ray_pool_retries_a_killed_sample(ray_session, tmp_path):
-    with RewardPool(DieOnce(tmp_path), backend="ray", num_workers=1, timeout_s=2.0, max_retries=2) as pool:
+    # 10 s: Ray reports an actor's death late on a loaded machine (its workers run at nice 15: a
+    # dying one took over 2 s under two busy processes); a crash told after the deadline would
+    # count as a timeout, which is never retried
+    with RewardPool(DieOnce(tmp_path), backend="ray", num_workers=1, timeout_s=10.0, max_retries=2) as pool:
         retry_scenario(pool, tmp_path, max_retries=2)
