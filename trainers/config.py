@@ -456,8 +456,10 @@ class RewardConfig:
 
 @dataclass
 class RayConfig:
-    """Run the roles as Ray actors (docs/distributed.md). ``address``: ``""`` starts a local
-    Ray (``ray.init()``), ``"auto"`` or ``"host:port"`` joins a running cluster."""
+    """Run the roles as Ray actors (docs/distributed.md). ``address``: ``""`` joins
+    ``RAY_ADDRESS`` where it is set (``ray job submit`` sets it), else starts a new local Ray
+    (``ray.init(address="local")``: the address file of an earlier ``ray start`` is ignored);
+    ``"auto"`` or ``"host:port"`` joins a running cluster."""
 
     enabled: bool = False
     address: str = ""

@@ -55,7 +55,7 @@ def ray_session():
     """The module's Ray session, bounded (2 CPUs, 80 MB object store)."""
     if ray.is_initialized():
         pytest.skip("a Ray session is running")
-    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -147,22 +147,27 @@ def wait_all(refs: list[Any], names: Sequence[str], timeout_s: float, setting: s
 
 
 def init_ray(cfg: Config) -> None:
-    """``ray.init`` once: ``ray.address=""`` starts a local Ray (``ray.num_cpus``,
-    ``ray.object_store_mb``), ``"auto"`` / ``"host:port"`` connects to a running cluster.
+    """``ray.init`` once: ``ray.address=""`` joins ``RAY_ADDRESS`` if set, else starts a new local
+    Ray (``ray.num_cpus``, ``ray.object_store_mb``); ``"auto"`` / ``"host:port"`` connects to a
+    running cluster.
     Does nothing if Ray is already initialised (e.g. by a test fixture)."""
     ray = _ray()
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, **kw)
+    # ray.address="" joins RAY_ADDRESS where it is set (as `ray job submit` sets it), else starts
+    # a new local Ray: "local", whatever the address file of the last `ray start` (or a test's
+    # cluster) says -- ray.init() would join that cluster, and refuse num_cpus there
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, **kw)
         return
     if cfg.ray.num_cpus is not None:
         kw["num_cpus"] = cfg.ray.num_cpus
     if cfg.ray.object_store_mb:
         kw["object_store_memory"] = cfg.ray.object_store_mb * 2**20
-    ray.init(**kw)
+    ray.init(address="local", **kw)
 
 
 def _setup_process(threads: int) -> None:
