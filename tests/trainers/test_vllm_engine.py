@@ -88,6 +88,17 @@ def test_protocol(engine):
     assert engine.eos_token_ids == (2,) and engine.pad_token_id == 0
 
 
+def test_torch_threads_stay_settable_after_an_in_process_engine(engine):
+    """vLLM's in-process CPU worker swaps torch.set_num_threads for a no-op; the engine restores
+    it, so the trainer's (and every later caller's) thread count is what it sets."""
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if n != 1 else 2)
+        assert torch.get_num_threads() == (1 if n != 1 else 2)
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_equal_trainer_logprobs(engine, model, tok, prompts, temperature):
     gens = engine.generate(prompts, SamplingParams(n=4, temperature=temperature, max_tokens=24, seed=0))

@@ -269,16 +269,24 @@ class VLLMRolloutEngine:
             # _refresh_tied_lm_head is sent to the worker process as a pickled function.
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         before = child_pids()
-        self.llm = vllm.LLM(
-            model=str(path),
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode,
-            logprobs_mode="processed_logprobs",
-            **kwargs,
-        )
+        # vLLM's CPU worker, in this process (no multiprocessing), replaces torch.set_num_threads
+        # with a no-op for the whole process ("not allowed after the thread binding"): every later
+        # caller -- the trainer, a test's fixture -- would silently keep vLLM's thread count.
+        # Restored: the count vLLM set stays until someone sets another.
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = vllm.LLM(
+                model=str(path),
+                dtype=dtype,
+                seed=seed,
+                enforce_eager=enforce_eager,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=enable_sleep_mode,
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads
         # vLLM's engine core process (multiprocessing) outlives a trainer killed with SIGKILL:
         # a watcher stops it then (trainers.engines.guard.watch)
         self._watcher = watch(child_pids() - before)
