@@ -27,10 +27,18 @@ default otherwise); :meth:`Entry.missing_in_keys` lists the required ones withou
     >>> sorted(ADVANTAGE_ESTIMATORS.names())[:3]       # doctest: +SKIP
 
 Registries load the modules that populate them on first use, so ``import rollkit`` stays cheap.
+
+Conventions (verl's): registering the same function object again under its name is a no-op (a
+registration that runs twice, e.g. a notebook cell run again), while a *different* function
+under a taken name raises ``ValueError``; an :class:`enum.Enum` member works wherever a name
+does, standing for its ``.value``. :func:`check_kwargs` checks hyper-parameters against a
+primitive's signature (the reference trainers check every ``*_kwargs`` field with it when they
+parse their config).
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -51,6 +59,7 @@ __all__ = [
     "REWARD_TRANSFORMS",
     "Registry",
     "VALUE_LOSSES",
+    "check_kwargs",
     "tensor_args",
 ]
 
@@ -102,6 +111,65 @@ def tensor_args(fn: Callable[..., Any], keyed: Sequence[str] = ()) -> dict[str, 
         if positional or (p.kind == p.KEYWORD_ONLY and p.name in keyed):
             out[p.name] = p.default is p.empty
     return out
+
+
+def check_kwargs(
+    fn: Callable[..., Any],
+    kwargs: Mapping[str, Any],
+    *,
+    field: str = "kwargs",
+    name: str = "",
+    kind: str = "function",
+    supplied: Sequence[str] = (),
+) -> None:
+    """Check that ``fn(**supplied_tensors, **kwargs)`` takes every key of ``kwargs``, before it is
+    called: a bad key raises a one-line ``ValueError`` naming ``field``, the key and the accepted
+    keys.
+
+    Accepted keys: the parameters of ``fn`` that can be passed by keyword, minus ``supplied``
+    (the arguments the caller fills itself, e.g. the tensors a registry entry reads from the
+    batch, which a key of ``kwargs`` would collide with); with ``**kwargs`` in the signature any
+    other key is accepted too. ``name`` (default: ``fn``'s) and ``kind`` word the message.
+
+    >>> def clip(logprobs, *, clip_low=0.2, clip_high=0.2): ...
+    >>> check_kwargs(clip, {"clip_high": 0.28}, supplied=["logprobs"])
+    >>> check_kwargs(clip, {"clip_hihg": 0.28}, field="algorithm.policy_loss_kwargs",
+    ...              name="ppo", kind="policy loss", supplied=["logprobs"])
+    Traceback (most recent call last):
+    ...
+    ValueError: algorithm.policy_loss_kwargs: ppo does not take 'clip_hihg' (unknown key for the policy loss clip; accepted: clip_high, clip_low)
+    """
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"{field}: expected a mapping of keyword arguments, got {kwargs!r}")
+    params = _signature(fn).parameters.values()
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = sorted(p.name for p in params if p.kind in by_keyword and p.name not in supplied)
+    listed = ", ".join(accepted) or "none"
+    if var_kw:
+        listed += f"{', ' if accepted else ''}any other keyword (**kwargs)"
+    name = name or _fn_name(fn)
+    clash = [k for k in kwargs if k in supplied]
+    if clash:
+        raise ValueError(
+            f"{field}: {name} does not take {', '.join(map(repr, clash))} (read from the batch by the "
+            f"{kind} {_fn_name(fn)}, not a hyper-parameter; accepted: {listed})"
+        )
+    bad = [] if var_kw else [k for k in kwargs if k not in accepted]
+    if bad:
+        keys = "keys" if len(bad) > 1 else "key"
+        raise ValueError(
+            f"{field}: {name} does not take {', '.join(map(repr, bad))} (unknown {keys} for the "
+            f"{kind} {_fn_name(fn)}; accepted: {listed})"
+        )
+
+
+def _name(name: Any, what: str = "name") -> str:
+    """``name`` as a registry key: an :class:`enum.Enum` member stands for its ``.value``."""
+    key = name.value if isinstance(name, enum.Enum) else name
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"{what}: expected a non-empty str or an Enum member with a str value, got {name!r}")
+    return key
 
 
 @dataclass(frozen=True)
@@ -169,34 +237,74 @@ class Registry:
 
     def register(
         self,
-        name: str,
+        name: str | enum.Enum,
         fn: Callable[..., Any] | None = None,
         *,
-        aliases: Sequence[str] = (),
+        aliases: Sequence[str | enum.Enum] = (),
         in_keys: Mapping[str, str] | None = None,
         out_keys: Sequence[str] = (),
     ):
-        """Register ``fn`` under ``name``; usable as a decorator (``@REG.register("name")``)."""
+        """Register ``fn`` under ``name``; usable as a decorator (``@REG.register("name")``).
+
+        ``name`` and ``aliases`` may be :class:`enum.Enum` members (registered under their
+        ``.value``). Registering the same function again under its name is a no-op (new aliases
+        are added); a name or alias that another function holds raises ``ValueError``.
+
+        >>> import enum
+        >>> class Est(enum.Enum):
+        ...     DOUBLE = "double"
+        >>> reg = Registry("widget")
+        >>> def double(x): return 2 * x
+        >>> _ = reg.register(Est.DOUBLE, double)
+        >>> _ = reg.register("double", double)          # again: a no-op
+        >>> reg.get(Est.DOUBLE) is reg.get("double") is double
+        True
+        >>> reg.register("double", lambda x: 3 * x)
+        Traceback (most recent call last):
+        ...
+        ValueError: name: 'double' is already registered as a widget (to double); register <lambda> under another name
+        """
 
         def decorator(f: Callable[..., Any]) -> Callable[..., Any]:
+            key, alias_keys = _name(name), [_name(a, "aliases") for a in aliases]
             params = _signature(f).parameters
             if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
                 unknown = [a for a in (in_keys or {}) if a not in params]
                 if unknown:
                     raise ValueError(
-                        f"in_keys: {unknown} are not parameters of {self.kind} {name!r} "
+                        f"in_keys: {unknown} are not parameters of {self.kind} {key!r} "
                         f"({_fn_name(f)}); its parameters: {list(params)}"
                     )
-            for n in (name, *aliases):
-                if n in self._entries or n in self._aliases:
-                    raise ValueError(f"name: {n!r} is already registered as a {self.kind}")
             doc = (f.__doc__ or "").strip().splitlines()[0] if f.__doc__ else ""
-            self._entries[name] = Entry(name, f, dict(in_keys or {}), tuple(out_keys), doc)
-            for a in aliases:
-                self._aliases[a] = name
+            self._add(Entry(key, f, dict(in_keys or {}), tuple(out_keys), doc), alias_keys)
             return f
 
         return decorator(fn) if fn is not None else decorator
+
+    def _add(self, entry: Entry, aliases: Sequence[str]) -> None:
+        """Add ``entry`` and its ``aliases``, all or nothing: the same function under its own
+        name again (same ``in_keys`` / ``out_keys``) only adds new aliases; a taken name raises."""
+        old = self._entries.get(entry.name)
+        same = old is not None and old.fn is entry.fn
+        keys = (dict(entry.in_keys), tuple(entry.out_keys))
+        if same and (dict(old.in_keys), tuple(old.out_keys)) != keys:
+            raise ValueError(
+                f"name: {entry.name!r} is already registered as a {self.kind} ({_fn_name(entry.fn)}) with "
+                f"in_keys {dict(old.in_keys)}, out_keys {list(old.out_keys)}; register it with the same ones"
+            )
+        for n in (entry.name, *aliases):
+            owner = n if n in self._entries else self._aliases.get(n)
+            if owner is not None and not (same and owner == entry.name):
+                holder, new = _fn_name(self._entries[owner].fn), _fn_name(entry.fn)
+                holder = f"another function named {holder}" if holder == new else holder  # e.g. reloaded
+                raise ValueError(
+                    f"name: {n!r} is already registered as a {self.kind} (to {holder}); "
+                    f"register {new} under another name"
+                )
+        if not same:
+            self._entries[entry.name] = entry
+        for a in aliases:
+            self._aliases[a] = entry.name
 
     def _load(self) -> None:
         # ``_loading`` guards against re-entry while the modules import (they register into
@@ -212,11 +320,12 @@ class Registry:
             self._loading = False
         self._loaded = True
 
-    def entry(self, name: str) -> Entry:
+    def entry(self, name: str | enum.Enum) -> Entry:
         """The :class:`Entry` registered under ``name`` (or an alias of it); an unknown name
         raises :class:`UnknownNameError` (a ``ValueError``, and a ``KeyError``) listing the
         known names."""
         self._load()
+        name = name.value if isinstance(name, enum.Enum) else name
         key = self._aliases.get(name, name) if isinstance(name, str) else name
         entry = self._entries.get(key) if isinstance(key, str) else None
         if entry is None:
@@ -225,10 +334,29 @@ class Registry:
             )
         return entry
 
-    def get(self, name: str) -> Callable[..., Any]:
+    def get(self, name: str | enum.Enum) -> Callable[..., Any]:
         """The function registered under ``name``; an unknown name raises
         :class:`UnknownNameError` (a ``ValueError`` and a ``KeyError``) listing the known names."""
         return self.entry(name).fn
+
+    def check_kwargs(self, name: str | enum.Enum, kwargs: Mapping[str, Any], field: str = "kwargs") -> None:
+        """Check the hyper-parameters ``kwargs`` that :meth:`Entry.call` would pass to the entry
+        ``name`` (:func:`check_kwargs`): its ``in_keys`` arguments and required tensor arguments
+        come from the batch, so they are refused too. A bad key raises a one-line ``ValueError``
+        naming ``field``, the key and the accepted keys; an unknown ``name`` raises
+        :class:`UnknownNameError`.
+
+        >>> from rollkit.registry import POLICY_LOSSES
+        >>> POLICY_LOSSES.check_kwargs("ppo", {"clip_high": 0.28})
+        >>> POLICY_LOSSES.check_kwargs("ppo", {"advantages": 1.0}, "algorithm.policy_loss_kwargs")
+        Traceback (most recent call last):
+        ...
+        ValueError: algorithm.policy_loss_kwargs: ppo does not take 'advantages' (read from the batch by the policy loss ppo_clip, not a hyper-parameter; accepted: clip_high, clip_low, dual_clip, log_ratio_clamp)
+        """
+        e = self.entry(name)
+        supplied = [*e.in_keys, *(a for a, required in e.tensor_args().items() if required)]
+        shown = name.value if isinstance(name, enum.Enum) else name
+        check_kwargs(e.fn, kwargs, field=field, name=str(shown), kind=self.kind, supplied=supplied)
 
     def names(self) -> list[str]:
         """Registered names (aliases not included)."""
@@ -237,6 +365,7 @@ class Registry:
 
     def __contains__(self, name: object) -> bool:
         self._load()
+        name = name.value if isinstance(name, enum.Enum) else name
         return name in self._entries or name in self._aliases
 
     def __iter__(self) -> Iterator[str]:
