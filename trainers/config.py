@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, check_kwargs
 from trainers.models import is_hub_id
 from trainers.vision import checkpoint_config, is_vision_checkpoint
 
@@ -67,6 +67,7 @@ __all__ = [
     "TailBatchingConfig",
     "TrainConfig",
     "apply_overrides",
+    "check_registry_kwargs",
     "config_to_dict",
     "help_text",
     "parse_length_dist",
@@ -265,7 +266,8 @@ class CorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """The rollkit primitives, chosen by registry name, and their keyword arguments."""
+    """The rollkit primitives, chosen by registry name, and their keyword arguments (``*_kwargs``,
+    checked against the registered function's signature at parse time: :func:`check_registry_kwargs`)."""
 
     advantage: str = "grpo"
     advantage_kwargs: dict = field(default_factory=dict)
@@ -569,7 +571,8 @@ class Config:
 @dataclass
 class EnvConfig:
     """The environment: a registered name (``frozenlake``, ``sokoban``, ``calculator``,
-    ``gem:<id>``) or ``"module:attr"``, its keyword arguments, and the episode limits."""
+    ``gem:<id>``) or ``"module:attr"``, its keyword arguments (for a registered name checked
+    against its constructor at parse time: :func:`check_registry_kwargs`), and the episode limits."""
 
     name: str = "frozenlake"
     kwargs: dict = field(default_factory=lambda: {"size": 3, "hole_prob": 0.0, "max_turns": 6})
@@ -859,7 +862,10 @@ def apply_overrides(cfg: Config, overrides: list[str] | list[tuple[str, str]]) -
 def load_config(argv: list[str] | None = None, *, base: Config | None = None) -> Config:
     """A :class:`Config` from command-line tokens: ``--config FILE`` first, then overrides in order.
 
-    ``--help`` raises ``SystemExit(0)`` after printing :func:`help_text`.
+    ``--help`` raises ``SystemExit(0)`` after printing :func:`help_text`. The keyword arguments
+    of the registry-named choices are then checked against the registered function's signature
+    (:func:`check_registry_kwargs`), so a misspelt hyper-parameter stops here, before any model
+    loads.
     """
     config_file, pairs, want_help = parse_args(list(argv or []))
     cfg = base if base is not None else Config()
@@ -881,6 +887,7 @@ def load_config(argv: list[str] | None = None, *, base: Config | None = None) ->
             ) from None
         apply_dict(cfg, data)
     apply_overrides(cfg, pairs)
+    check_registry_kwargs(cfg)
     return cfg
 
 
@@ -967,6 +974,53 @@ def _check_registered(rows: list[tuple[str, Any, Any]]) -> None:
     for name, reg, value in rows:
         if value not in reg:
             raise ValueError(f"{name}: unknown {reg.kind} {value!r}; known: {', '.join(sorted(reg.names()))}")
+
+
+def check_registry_kwargs(cfg: Any) -> None:
+    """Check the keyword arguments of every registry-named choice of ``cfg`` against the
+    registered function's signature (:func:`rollkit.registry.check_kwargs`), the way the
+    trainers pass them: ``algorithm.policy_loss_kwargs`` to ``POLICY_LOSSES[algorithm.policy_loss]``,
+    ``algorithm.advantage_kwargs`` to ``ADVANTAGE_ESTIMATORS[algorithm.advantage]`` (with a
+    critic, ``gae`` / ``asyppo``, they go to the critic's GAE: :func:`validate` checks them) and
+    ``env.kwargs`` to the registered environment ``env.name``. Tensor inputs that the trainer
+    reads from the batch are refused as keys; a function with ``**kwargs`` takes any other.
+    :func:`load_config` calls it; a bad key raises a one-line ``ValueError`` naming the field,
+    the key and the accepted keys. A name that is not registered is left to :func:`validate` /
+    the trainer (it may be registered after parsing), as are ``gem:`` ids and ``module:attr``
+    environments.
+
+    >>> cfg = Config()
+    >>> cfg.algorithm.policy_loss_kwargs = {"clip_hihg": 0.28}
+    >>> check_registry_kwargs(cfg)
+    Traceback (most recent call last):
+    ...
+    ValueError: algorithm.policy_loss_kwargs: ppo does not take 'clip_hihg' (unknown key for the policy loss ppo_clip; accepted: clip_high, clip_low, dual_clip, log_ratio_clamp)
+    """
+    a = getattr(cfg, "algorithm", None)
+    if isinstance(a, AlgorithmConfig):
+        rows = [("algorithm.policy_loss_kwargs", POLICY_LOSSES, a.policy_loss, a.policy_loss_kwargs)]
+        if not critic_needed(cfg):
+            rows.append(("algorithm.advantage_kwargs", ADVANTAGE_ESTIMATORS, a.advantage, a.advantage_kwargs))
+        for name, reg, value, kwargs in rows:
+            if isinstance(value, str) and value in reg:
+                reg.check_kwargs(value, kwargs, name)
+    env = getattr(cfg, "env", None)
+    if isinstance(env, EnvConfig):
+        _check_env_kwargs(env)
+
+
+def _check_env_kwargs(env: EnvConfig) -> None:
+    """``env.kwargs`` against the constructor of the registered environment ``env.name``."""
+    from trainers.envs.registry import ENVS, resolve_factory
+
+    if not isinstance(env.name, str) or env.name not in ENVS:
+        return  # gem:<id>, module:attr or an unknown name: the trainer builds it and says so
+    try:
+        factory = resolve_factory(ENVS[env.name])
+    except (ImportError, AttributeError, ValueError):  # a broken registration: the trainer reports it
+        return
+    kwargs = env.kwargs if env.kwargs is not None else {}
+    check_kwargs(factory, kwargs, field="env.kwargs", name=env.name, kind="environment")
 
 
 def _check_numbers(rows: list[tuple[str, Any, str]]) -> None:
