@@ -39,10 +39,14 @@ import torch
 
 from trainers.config import AgenticConfig, load_config
 from trainers.data import build_prompts
+from trainers.data_pairs import addition_pairs_file
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
 from trainers.loops import AsyncTrainer, SyncTrainer
 from trainers.loops.agentic import AgenticTrainer
+from trainers.loops.distill import DistillConfig, DistillTrainer
+from trainers.loops.offline import OfflineConfig, OfflineTrainer
 from trainers.models import char_tokenizer, tiny_qwen2
+from trainers.rewards import VERIFIERS, register_verifier
 
 FILE = Path(__file__).with_name("fingerprints.json")
 RECORD = os.environ.get("ROLLKIT_RECORD_FINGERPRINTS") == "1"
@@ -92,6 +96,12 @@ def varied_reward(text: str, answer: str) -> float:
     """A deterministic reward with variance inside groups (the random tiny model never answers
     right, so exact match would give all-zero advantages and no update)."""
     return float((len(text) + int(answer)) % 3 == 0)
+
+
+def content_reward(text: str, answer: str) -> float:
+    """Like :func:`varied_reward`, but of the characters (responses cut at the same length
+    still differ)."""
+    return float((sum(map(ord, text)) + int(answer)) % 2 == 0)
 
 
 def _sync(tmp_path, *overrides, cls=SyncTrainer, num_prompts=None, **kw):
@@ -301,6 +311,184 @@ def agentic_async(tmp_path):
     }
 
 
+def critic_gae(tmp_path):
+    """PPO with a learned critic (GAE): one critic warm-up step (the policy waits), then a step
+    training both; 2 epochs x 2 mini-batches, the critic's value clipping and whitening."""
+    return _fit(
+        _sync(
+            tmp_path,
+            *PPO,
+            "algorithm.advantage=gae",
+            "algorithm.advantage_kwargs={gamma: 1.0, lam: 0.95}",
+            "critic.lr=1e-3",
+            "critic.warmup_steps=1",
+            "rollout.max_tokens=6",
+            "train.steps=2",
+            "eval.before=false",
+            "eval.every=0",
+        )
+    )
+
+
+def _domain_a(completion, prompt):
+    return content_reward(completion, prompt.answer)
+
+
+def _domain_b(completion, prompt):
+    return varied_reward(completion, prompt.answer)
+
+
+DOMAINS = {
+    "a": {
+        "task": "addition",
+        "task_options": {"digits": 1},
+        "eval_size": 3,
+        "weight": 3,
+        "verifier": "fp_domain_a",
+    },
+    "b": {
+        "task": "addition",
+        "task_options": {"digits": 1},
+        "eval_size": 2,
+        "weight": 1,
+        "verifier": "fp_domain_b",
+    },
+}
+
+
+def domains(tmp_path):
+    """Two domains (quotas 3:1 of 4 prompts per step), a verifier per domain routed by the
+    prompt's tag, per-domain running reward normalisation, pass@k evaluation per domain."""
+    register_verifier("fp_domain_a", lambda: _domain_a, overwrite=True)
+    register_verifier("fp_domain_b", lambda: _domain_b, overwrite=True)
+    try:
+        cfg = load_config(
+            [
+                *BASE,
+                f"logging.dir={tmp_path / 'run'}",
+                f"data.domains={json.dumps(DOMAINS)}",
+                "train.lr=1e-3",
+                "rollout.prompts_per_step=4",
+                "rollout.n=3",
+                "rollout.max_tokens=4",
+                "train.micro_batch_size=6",
+                "algorithm.reward_normalizer=true",
+                "train.steps=2",
+                "eval.before=false",
+                "eval.every=0",
+                "eval.n=2",
+                "eval.k=[1, 2]",
+                "eval.max_tokens=3",
+            ]
+        )
+        rollout, train, tok = _engines(cfg)
+        out = _fit(SyncTrainer(cfg, rollout=rollout, train=train, tokenizer=tok))
+    finally:
+        for name in ("fp_domain_a", "fp_domain_b"):
+            VERIFIERS.pop(name, None)
+    # domain/<name>/reward_busy_s: the verifiers' wall-clock seconds
+    out["history"] = [{k: v for k, v in r.items() if not k.endswith("_busy_s")} for r in out["history"]]
+    return out
+
+
+def vision(tmp_path):
+    """The tiny random Qwen2-VL on the shapes task (images through the processor, mRoPE
+    positions), built from the config; the vision tower stays frozen."""
+    cfg = load_config(
+        [
+            "--model",
+            "tiny_vl",
+            "data.task=shapes",
+            "data.eval_size=4",
+            f"logging.dir={tmp_path / 'run'}",
+            *QUIET,
+            "rollout.prompts_per_step=2",
+            "rollout.n=2",
+            "rollout.max_tokens=3",
+            "eval.max_tokens=2",
+            "eval.before=false",
+            "eval.every=0",
+            "train.micro_batch_size=4",
+            "train.lr=1e-3",
+            "algorithm.entropy_coef=0.01",
+            "train.steps=2",
+        ]
+    )
+    return _fit(SyncTrainer(cfg, reward_fn=content_reward))
+
+
+def _distill(tmp_path, *extra):
+    cfg = load_config(
+        [
+            *BASE,
+            f"logging.dir={tmp_path / 'run'}",
+            "train.lr=1e-2",
+            "rollout.prompts_per_step=2",
+            "rollout.n=2",
+            "rollout.max_tokens=4",
+            "train.micro_batch_size=3",
+            "train.steps=2",
+            "eval.before=false",
+            "eval.every=0",
+            "distill.teacher_tiny_seed=1",
+            "distill.teacher_warmup_steps=2",
+            *extra,
+        ],
+        base=DistillConfig(),
+    )
+    tr = DistillTrainer(cfg, reward_fn=content_reward)
+    try:
+        out = tr.fit()
+        w = list(tr.learner.export_weights())
+    finally:
+        tr.close()
+    return {"weights": weights_sha(w), "history": comparable(out["history"])}
+
+
+def distill(tmp_path):
+    """On-policy distillation (loss mode) of the tiny student from a tiny teacher of another
+    seed, warmed up with 2 supervised steps; built from the config."""
+    return _distill(tmp_path)
+
+
+def distill_rl(tmp_path):
+    """Distillation as RL: the teacher's per-token advantages plus the task's (GRPO), the
+    learner's PPO update."""
+    return _distill(tmp_path, "distill.mode=rl", "distill.task_coef=0.5")
+
+
+def _offline(tmp_path, *extra):
+    train_f, eval_f = addition_pairs_file(tmp_path / "data", digits=1, seed=0)
+    cfg = load_config(
+        [
+            "--model",
+            "tiny",
+            f"logging.dir={tmp_path / 'run'}",
+            *QUIET,
+            f"data.train_file={train_f}",
+            f"data.eval_file={eval_f}",
+            "offline.batch_size=4",
+            "train.micro_batch_size=3",
+            "train.lr=1e-3",
+            "train.steps=2",
+            *extra,
+        ],
+        base=OfflineConfig(),
+    )
+    return _fit(OfflineTrainer(cfg))
+
+
+def offline_sft(tmp_path):
+    """Offline SFT on the chosen answers of a pairs file (trainers.data_pairs.addition_pairs_file),
+    micro-batches of 3 of a batch of 4, evaluation before and after."""
+    return _offline(tmp_path, "offline.loss=sft")
+
+
+def offline_dpo(tmp_path):
+    """Offline DPO on the same file: a frozen reference, chosen and rejected in one forward."""
+    return _offline(tmp_path, "offline.loss=dpo", "offline.beta=0.1")
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -315,6 +503,13 @@ SCENARIOS = {
         agentic_lockstep,
         agentic_gigpo_lockstep,
         agentic_async,
+        critic_gae,
+        domains,
+        vision,
+        distill,
+        distill_rl,
+        offline_sft,
+        offline_dpo,
     )
 }
 #: bit-reproducible scenarios (the others run threads whose interleaving depends on timing)
