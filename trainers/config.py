@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, check_kwargs
+from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from trainers.models import is_hub_id
 from trainers.vision import checkpoint_config, is_vision_checkpoint
 
@@ -571,8 +571,7 @@ class Config:
 @dataclass
 class EnvConfig:
     """The environment: a registered name (``frozenlake``, ``sokoban``, ``calculator``,
-    ``gem:<id>``) or ``"module:attr"``, its keyword arguments (for a registered name checked
-    against its constructor at parse time: :func:`check_registry_kwargs`), and the episode limits."""
+    ``gem:<id>``) or ``"module:attr"``, its keyword arguments, and the episode limits."""
 
     name: str = "frozenlake"
     kwargs: dict = field(default_factory=lambda: {"size": 3, "hole_prob": 0.0, "max_turns": 6})
@@ -981,8 +980,9 @@ def check_registry_kwargs(cfg: Any) -> None:
     registered function's signature (:func:`rollkit.registry.check_kwargs`), the way the
     trainers pass them: ``algorithm.policy_loss_kwargs`` to ``POLICY_LOSSES[algorithm.policy_loss]``,
     ``algorithm.advantage_kwargs`` to ``ADVANTAGE_ESTIMATORS[algorithm.advantage]`` (with a
-    critic, ``gae`` / ``asyppo``, they go to the critic's GAE: :func:`validate` checks them) and
-    ``env.kwargs`` to the registered environment ``env.name``. Tensor inputs that the trainer
+    critic, ``gae`` / ``asyppo``, they go to the critic's GAE: :func:`validate` checks them).
+    (``env.kwargs`` is not checked here: the environments are a layer above the config, and
+    ``make_env`` names a bad key when the trainer builds them.) Tensor inputs that the trainer
     reads from the batch are refused as keys; a function with ``**kwargs`` takes any other.
     :func:`load_config` calls it; a bad key raises a one-line ``ValueError`` naming the field,
     the key and the accepted keys. A name that is not registered is left to :func:`validate` /
@@ -1004,23 +1004,6 @@ def check_registry_kwargs(cfg: Any) -> None:
         for name, reg, value, kwargs in rows:
             if isinstance(value, str) and value in reg:
                 reg.check_kwargs(value, kwargs, name)
-    env = getattr(cfg, "env", None)
-    if isinstance(env, EnvConfig):
-        _check_env_kwargs(env)
-
-
-def _check_env_kwargs(env: EnvConfig) -> None:
-    """``env.kwargs`` against the constructor of the registered environment ``env.name``."""
-    from trainers.envs.registry import ENVS, resolve_factory
-
-    if not isinstance(env.name, str) or env.name not in ENVS:
-        return  # gem:<id>, module:attr or an unknown name: the trainer builds it and says so
-    try:
-        factory = resolve_factory(ENVS[env.name])
-    except (ImportError, AttributeError, ValueError):  # a broken registration: the trainer reports it
-        return
-    kwargs = env.kwargs if env.kwargs is not None else {}
-    check_kwargs(factory, kwargs, field="env.kwargs", name=env.name, kind="environment")
 
 
 def _check_numbers(rows: list[tuple[str, Any, str]]) -> None:
