@@ -119,7 +119,7 @@ class PythonToolEnv(Env):
             ``isolation``, ...).
         format_penalty, end_on_format_error: a turn with neither a call nor an answer.
 
-    >>> env = PythonToolEnv()
+    >>> env = PythonToolEnv(tool_timeout_s=60.0)  # a deadline the example never reaches
     >>> obs, info = env.reset(seed=0)
     >>> obs.splitlines()[-1]
     'Problem: A farm has 1663 rows of trees with 9376 trees in each row. How many trees are there?'

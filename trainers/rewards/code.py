@@ -11,7 +11,7 @@ fraction passed (``mode="fraction"``). A problem travels as JSON in ``Prompt.ans
 :class:`CodeVerifier`. HumanEval, adaptive timeouts, measurements: ``docs/sandbox.md``.
 
 >>> p = CodeProblem("add", stdio=(StdioCase("2 3\\n", "5"), StdioCase("10 -1\\n", "9")))
->>> verify = CodeVerifier(timeout_s=5)
+>>> verify = CodeVerifier(timeout_s=60)  # a deadline the example never reaches
 >>> verify("```python\\na, b = map(int, input().split())\\nprint(a + b)\\n```", p)
 1.0
 >>> verify("print(5)", p), CodeVerifier(mode="fraction", timeout_s=5)("print(5)", p)
