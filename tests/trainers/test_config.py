@@ -191,7 +191,7 @@ def test_fast_bf16_switch_forces_either_path(monkeypatch):
 @pytest.mark.parametrize(
     "args, match",
     [
-        (["rollout.lora_weights=x"], "rollout.lora_weights: expected merged or adapter"),
+        (["rollout.lora_weights=x"], "rollout.lora_weights must be one of merged, adapter"),
         (["rollout.lora_weights=adapter"], r"needs a LoRA policy \(train.lora_rank > 0\)"),
         (["train.lora_rank=4", "rollout.lora_weights=adapter"], "not rollout.engine='hf'"),
         (
@@ -203,7 +203,7 @@ def test_fast_bf16_switch_forces_either_path(monkeypatch):
             ],
             "placement.sleep_level=2 discards",
         ),
-        (["rollout.engine_temperature=-1"], "rollout.engine_temperature: expected a number >= 0"),
+        (["rollout.engine_temperature=-1"], "rollout.engine_temperature must be >= 0"),
         (["train.lora_rank=4", "rollout.lora_weights=adapter", "rollout.engine=vllm"], None),
         (["rollout.engine_temperature=1.3"], None),
     ],

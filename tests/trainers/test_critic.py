@@ -343,9 +343,9 @@ def test_agentic_ppo_credits_each_turn_at_its_end(tmp_path):
     ],
 )
 def test_bad_critic_settings_name_the_field(overrides, field):
-    cfg = load_config(["--model", "tiny", "algorithm.advantage=gae", *overrides])
+    """A bad value stops on the command line (a ``Literal`` choice) or in ``validate``, naming the field."""
     with pytest.raises(ValueError, match=field.replace(".", r"\.")) as e:
-        validate(cfg)
+        validate(load_config(["--model", "tiny", "algorithm.advantage=gae", *overrides]))
     assert "\n" not in str(e.value)
 
 

@@ -148,7 +148,7 @@ def test_recipe_bad_input_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"^error: distill.mode must be one of loss, rl, got 'kd'$"):
         distill.main(["distill.mode=kd"])
     with pytest.raises(
-        SystemExit, match=r"^error: distill.teacher_dtype must be float32, bfloat16 or float16, got 'int8'$"
+        SystemExit, match=r"^error: distill.teacher_dtype must be one of '', float32, bfloat16, float16, got 'int8'$"
     ):
         distill.main(["distill.teacher_dtype=int8"])
 

@@ -62,7 +62,7 @@ CASES = [
     (["rollout.length_dist=normal:3"], r"rollout\.length_dist: expected"),
     (["--model", "/nonexistent/checkpoint"], r"model\.path: /nonexistent/checkpoint does not exist"),
     (["checkpoint.resume=auto"], r"checkpoint\.resume=auto: set checkpoint\.dir"),
-    (["algorithm.correction.level=tokens"], r"algorithm\.correction\.level: expected one of off, token"),
+    (["algorithm.correction.level=tokens"], r"algorithm\.correction\.level must be one of off, token"),
     (["algorithm.correction.truncate=-2"], r"algorithm\.correction\.truncate must be >= 0"),
     (
         ["algorithm.correction.mask_low=3", "algorithm.correction.mask_high=2"],

@@ -28,7 +28,6 @@ import copy
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +35,16 @@ import torch
 
 from rollkit.losses import aggregate, distill_token_rewards, global_normalizers, on_policy_distill
 from rollkit.registry import ADVANTAGE_ESTIMATORS
-from trainers.config import Config, LoggingConfig, validate
+from trainers.config import (
+    DISTILL_MODES,
+    TEACHER_PLACEMENTS,
+    DistillConfig,
+    DistillSettings,
+    validate_distill,
+)
 from trainers.data import Prompt
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
-from trainers.engines.build import build_model, parse_dtype
+from trainers.engines.build import build_model
 from trainers.learner import supervised_warmup
 from trainers.loops.collect import Group, GroupCollector
 from trainers.loops.common import (
@@ -65,70 +70,6 @@ __all__ = [
     "teacher_config",
     "validate_distill",
 ]
-
-#: ``distill.mode`` choices
-DISTILL_MODES = ("loss", "rl")
-#: ``distill.teacher_placement`` choices
-TEACHER_PLACEMENTS = ("process", "ray")
-
-
-@dataclass
-class DistillSettings:
-    """The teacher and the distillation objective (module docstring)."""
-
-    teacher: str = "tiny"  # an HF checkpoint directory, "tiny" (tiny Qwen2), or "" (the embedded default)
-    teacher_dtype: str = ""  # "": model.dtype
-    teacher_tiny_seed: int = 0  # teacher="tiny": its initial weights' seed
-    teacher_warmup_steps: int = 0  # supervised steps of the teacher on the train prompts before distilling
-    teacher_warmup_lr: float = 3e-3
-    teacher_placement: str = "process"  # "process", or "ray": a Ray actor of its own
-    teacher_chunk_tokens: int = 0  # > 0: memory-lean teacher log-probs, this many positions per chunk
-    teacher_cpus: float = 1.0  # teacher_placement=ray: CPUs of the teacher's bundle
-    teacher_gpus: float | None = None  # teacher_placement=ray: its GPUs (None: 1 if the cluster has GPUs)
-    mode: str = "loss"  # "loss": on_policy_distill; "rl": distill_token_rewards as advantages, PPO update
-    coef: float = 1.0  # the reverse-KL coefficient
-    task_coef: float = 0.0  # mode="rl": + task_coef x the verifier's advantages (algorithm.advantage)
-
-
-def _distill_logging() -> LoggingConfig:
-    log = LoggingConfig()
-    log.dir = "runs/distill"
-    return log
-
-
-@dataclass
-class DistillConfig(Config):
-    """:class:`trainers.config.Config` plus the ``distill`` section; load it with
-    ``load_config(argv, base=DistillConfig())``."""
-
-    logging: LoggingConfig = field(default_factory=_distill_logging)
-    distill: DistillSettings = field(default_factory=DistillSettings)
-
-
-def validate_distill(cfg: DistillConfig) -> None:
-    """:func:`trainers.config.validate` plus the ``distill`` section (one-line errors)."""
-    validate(cfg)
-    d = cfg.distill
-    if d.mode not in DISTILL_MODES:
-        raise ValueError(f"distill.mode must be one of {', '.join(DISTILL_MODES)}, got {d.mode!r}")
-    if d.teacher_warmup_steps < 0:
-        raise ValueError(f"distill.teacher_warmup_steps must be >= 0, got {d.teacher_warmup_steps}")
-    if d.teacher_dtype:
-        parse_dtype(d.teacher_dtype, "distill.teacher_dtype")
-    if d.teacher_placement not in TEACHER_PLACEMENTS:
-        raise ValueError(
-            f"distill.teacher_placement must be one of {', '.join(TEACHER_PLACEMENTS)}, got {d.teacher_placement!r}"
-        )
-    c = d.teacher_chunk_tokens
-    if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-        raise ValueError(f"distill.teacher_chunk_tokens must be an int >= 0, got {c!r}")
-    if not d.teacher_cpus > 0:
-        raise ValueError(f"distill.teacher_cpus must be > 0, got {d.teacher_cpus}")
-    if d.teacher_gpus is not None and d.teacher_gpus < 0:
-        raise ValueError(f"distill.teacher_gpus must be >= 0 or null, got {d.teacher_gpus}")
-    if d.task_coef and d.mode != "rl":
-        raise ValueError(f"distill.task_coef={d.task_coef}: task advantages need distill.mode=rl")
-
 
 def _check_vocab(teacher_vocab: dict[str, int] | None, tokenizer: Any, where: str) -> None:
     get_s = getattr(tokenizer, "get_vocab", None)

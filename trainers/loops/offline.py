@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +39,16 @@ from rollkit.losses import (
     sft_nll,
     simpo,
 )
-from rollkit.registry import AGGREGATIONS
 from rollkit.types import LossOutput
-from trainers.config import CheckpointConfig, EvalConfig, LoggingConfig, ModelConfig, TrainConfig
+from trainers.config import (
+    OFFLINE_LOSSES,
+    PREFERENCE_LOSSES,
+    REFERENCE_LOSSES,
+    OfflineAlgorithmConfig,
+    OfflineConfig,
+    OfflineDataConfig,
+    validate_offline,
+)
 from trainers.data import Prompt, PromptIterator, encode_prompt
 from trainers.data_pairs import Example, Pair, load_examples, load_pairs
 from trainers.deps import require
@@ -68,98 +74,6 @@ __all__ = [
     "preference_loss",
     "validate_offline",
 ]
-
-#: ``offline.loss`` choices: supervised NLL, a preference loss of rollkit.losses.preference, or
-#: ``rm``: a reward model trained with the Bradley-Terry loss
-OFFLINE_LOSSES = ("sft", "dpo", "ipo", "simpo", "orpo", "rm")
-#: the losses that train the policy on pairs
-PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo")
-#: the preference losses that need a reference policy
-REFERENCE_LOSSES = ("dpo", "ipo")
-
-
-@dataclass
-class OfflineDataConfig:
-    """The examples: ``train_file`` (JSONL / Parquet; prompt + completion for SFT, prompt +
-    chosen + rejected for the preference losses), ``eval_file`` or the first ``eval_size``
-    records of ``train_file`` held out."""
-
-    train_file: str = ""
-    eval_file: str = ""
-    eval_size: int = 20
-    digits: int = 1  # recipes: the generated addition pairs when train_file is empty
-    chat_template: str = "auto"  # "auto": the tokenizer's chat template if it has one; "on"; "off"
-
-
-@dataclass
-class OfflineAlgorithmConfig:
-    """The loss: ``sft`` (token NLL, ``aggregation``), ``dpo`` / ``ipo`` / ``simpo`` / ``orpo``
-    (mean over pairs), or ``rm`` (a reward model, Bradley-Terry loss, mean over pairs).
-    ``batch_size`` examples or pairs per optimizer step."""
-
-    loss: str = "sft"
-    batch_size: int = 16
-    aggregation: str = "token-mean"  # sft: a rollkit aggregation name
-    beta: float = 0.1  # dpo / ipo / orpo; SimPO's paper uses 2.0-10
-    label_smoothing: float = 0.0  # dpo (cDPO), simpo
-    gamma: float = 0.5  # simpo's target margin
-    nll_weight: float = 1.0  # orpo's SFT term
-
-
-def _offline_logging() -> LoggingConfig:
-    log = LoggingConfig()
-    log.dir = "runs/offline"
-    log.plot = False  # curves.png plots reward and accuracy, which SFT does not have
-    return log
-
-
-def _offline_eval() -> EvalConfig:
-    ev = EvalConfig()
-    ev.every = 0
-    return ev
-
-
-@dataclass
-class OfflineConfig:
-    """The offline trainer's configuration; ``load_config(argv, base=OfflineConfig())``. It
-    shares ``model``, ``train``, ``eval`` (``every``, ``before``), ``checkpoint`` and ``logging``
-    with :class:`trainers.config.Config`; ``train.steps`` optimizer steps, ``train.lr`` etc."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: OfflineDataConfig = field(default_factory=OfflineDataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    offline: OfflineAlgorithmConfig = field(default_factory=OfflineAlgorithmConfig)
-    eval: EvalConfig = field(default_factory=_offline_eval)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=_offline_logging)
-    seed: int = 0
-
-
-def validate_offline(cfg: OfflineConfig) -> None:
-    """One-line ``ValueError`` naming the first bad field of ``cfg``."""
-    o, t = cfg.offline, cfg.train
-    if o.loss not in OFFLINE_LOSSES:
-        raise ValueError(f"offline.loss must be one of {', '.join(OFFLINE_LOSSES)}, got {o.loss!r}")
-    if o.batch_size < 1:
-        raise ValueError(f"offline.batch_size must be >= 1, got {o.batch_size}")
-    if t.micro_batch_size < 1:
-        raise ValueError(f"train.micro_batch_size must be >= 1, got {t.micro_batch_size}")
-    if t.steps < 0:
-        raise ValueError(f"train.steps must be >= 0, got {t.steps}")
-    keep = cfg.checkpoint.keep
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise ValueError(f"checkpoint.keep must be an int >= 0, got {keep!r}")
-    if o.aggregation not in AGGREGATIONS:
-        raise ValueError(f"offline.aggregation: unknown {o.aggregation!r}; known: {', '.join(AGGREGATIONS)}")
-    if not o.beta > 0:
-        raise ValueError(f"offline.beta must be > 0, got {o.beta}")
-    if cfg.data.eval_size < 0:
-        raise ValueError(f"data.eval_size must be >= 0, got {cfg.data.eval_size}")
-    if o.loss == "rm" and t.engine != "torch":
-        raise ValueError(f"train.engine: offline.loss=rm trains with the torch engine, got {t.engine!r}")
-    if o.loss == "rm" and t.lora_rank:
-        raise ValueError("train.lora_rank: offline.loss=rm trains every weight (set train.lora_rank=0)")
-
 
 def load_offline_data(cfg: OfflineConfig) -> tuple[list[Any], list[Any]]:
     """``(train, held_out)`` examples (``offline.loss=sft``) or pairs of ``data.train_file`` /
