@@ -606,8 +606,9 @@ def test_agentic_on_ray_reproduces_the_in_process_episodes(cluster, tmp_path):
     (local, l1, _, lv), (ray_, r1, r2, rv) = runs["local"], runs["ray"]
     actions = lambda batches: [[e.actions for e in b.episodes] for b in batches]  # noqa: E731
     assert actions(ray_[:1]) == actions(local[:1])
-    for key in ("reward/mean", "kl/rollout"):
+    for key in ("reward/mean", "kl/rollout", "train/logprob_gap"):  # the loop's UpdateSpec travels to the actors
         assert r1[key] == pytest.approx(l1[key], abs=1e-5)
+    assert set(l1) - set(r1) == set(), sorted(set(l1) - set(r1))  # every in-process metric on Ray too
     assert r1["optim/grad_norm"] == pytest.approx(l1["optim/grad_norm"], rel=1e-4)
     assert rv == lv == 2 and "kl/rollout" in r2
     assert _no_leaks()

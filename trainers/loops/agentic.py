@@ -396,6 +396,7 @@ class AgenticTrainer:
             self._prewarmed = True
         self._ray = build_ray_roles(cfg, model=model, tokenizer=self.tok, reference=cfg.algorithm.kl.coef > 0)
         self.learner = self._ray.train
+        self.learner.spec = self.spec  # logprob_gap: the same update (and metrics) as in process
         self.reference = self.reference if self.reference is not None else self._ray.reference
         return self._ray.rollout
 

@@ -288,7 +288,7 @@ class TrainWorker:
             self.engine,
             payload["batch"],
             payload["advantages"],
-            self.spec,
+            payload.get("spec") or self.spec,
             ref_logprobs=payload["ref_logprobs"],
             seed=seed,
             rank=self.engine.dp_rank if dp else self.rank,
@@ -733,10 +733,10 @@ class RayRequestEngine:
 
 
 class RayTrainGroup:
-    """N train ranks behind the :class:`~trainers.learner.Learner` interface."""
+    """N train ranks behind the Learner interface; ``spec``: a loop's UpdateSpec for them all (None: own)."""
 
     def __init__(self, workers: list[Any], *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.workers, self.timeout_s = workers, timeout_s
+        self.workers, self.timeout_s, self.spec = workers, timeout_s, None
 
     def _names(self, what: str) -> list[str]:
         return [f"train rank {r} ({what})" for r in range(len(self.workers))]
@@ -752,7 +752,7 @@ class RayTrainGroup:
         self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
     ) -> dict[str, float]:
         ray = _ray()
-        payload = ray.put({"batch": batch, "advantages": advantages, "ref_logprobs": ref_logprobs})
+        payload = ray.put(dict(batch=batch, advantages=advantages, ref_logprobs=ref_logprobs, spec=self.spec))
         total = UpdateStats()
         for sums, counts, mismatch in self._all(
             [w.update.remote(payload, seed) for w in self.workers], "update"
