@@ -86,18 +86,6 @@ class Config:
     seed: int = 0
 
 
-def _agentic_algorithm() -> AlgorithmConfig:
-    a = AlgorithmConfig()
-    a.advantage = "starpo"
-    return a
-
-
-def _agentic_logging() -> LoggingConfig:
-    log = LoggingConfig()
-    log.dir = "runs/agentic"
-    return log
-
-
 @dataclass
 class AgenticConfig:
     """The agentic trainer's configuration (:class:`trainers.loops.AgenticTrainer`); load it
@@ -108,30 +96,17 @@ class AgenticConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: AgenticRolloutConfig = field(default_factory=AgenticRolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    algorithm: AlgorithmConfig = field(default_factory=_agentic_algorithm)
+    algorithm: AlgorithmConfig = field(default_factory=lambda: AlgorithmConfig(advantage="starpo"))
     critic: CriticConfig = field(default_factory=CriticConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     eval: AgenticEvalConfig = field(default_factory=AgenticEvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=_agentic_logging)
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(dir="runs/agentic"))
     # ray.enabled: the rollout, train and reference roles as Ray actors placed by `placement`, as in
     # the RLVR trainers (the environments stay in this process's workers)
     ray: RayConfig = field(default_factory=RayConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     seed: int = 0
-
-
-def _offline_logging() -> LoggingConfig:
-    log = LoggingConfig()
-    log.dir = "runs/offline"
-    log.plot = False  # curves.png plots reward and accuracy, which SFT does not have
-    return log
-
-
-def _offline_eval() -> EvalConfig:
-    ev = EvalConfig()
-    ev.every = 0
-    return ev
 
 
 @dataclass
@@ -145,16 +120,11 @@ class OfflineConfig:
     data: OfflineDataConfig = field(default_factory=OfflineDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     offline: OfflineAlgorithmConfig = field(default_factory=OfflineAlgorithmConfig)
-    eval: EvalConfig = field(default_factory=_offline_eval)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(every=0))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=_offline_logging)
+    # curves.png plots reward and accuracy, which SFT does not have
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(dir="runs/offline", plot=False))
     seed: int = 0
-
-
-def _distill_logging() -> LoggingConfig:
-    log = LoggingConfig()
-    log.dir = "runs/distill"
-    return log
 
 
 @dataclass
@@ -162,7 +132,7 @@ class DistillConfig(Config):
     """:class:`Config` plus the ``distill`` section (:class:`trainers.loops.distill.DistillTrainer`);
     load it with ``load_config(argv, base=DistillConfig())``."""
 
-    logging: LoggingConfig = field(default_factory=_distill_logging)
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(dir="runs/distill"))
     distill: DistillSettings = field(default_factory=DistillSettings)
 
 
