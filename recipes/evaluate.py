@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from recipes import rlvr_qwen
-from trainers.config import Config, load_config, validate
+from trainers.config import ROLLOUT_ENGINES, Config, load_config, validate
 from trainers.domains import run_prompts
 from trainers.engines.build import build_model, make_rollout_engine
 from trainers.loops.common import Codec
@@ -75,10 +75,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if not is_hub_id(cfg.model.path):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         validate(cfg)
-        if cfg.rollout.engine not in ("hf", "vllm") or cfg.ray.enabled:
-            raise ValueError(
-                f"rollout.engine={cfg.rollout.engine!r}: the evaluation runs hf or vllm in this process"
-            )
+        if ROLLOUT_ENGINES[cfg.rollout.engine].remote or cfg.ray.enabled:
+            local = " or ".join(n for n in ROLLOUT_ENGINES if not ROLLOUT_ENGINES[n].remote)
+            raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: the evaluation runs {local} in this process")
         _, held = run_prompts(cfg)
         if not held:
             raise ValueError("data.eval_size: no held-out prompts to evaluate")

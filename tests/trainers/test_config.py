@@ -5,7 +5,9 @@ import pytest
 from trainers.config import Config, config_to_dict, help_text, load_config
 
 
-def test_defaults_and_overrides():
+def test_defaults_and_overrides(tmp_path):
+    data = tmp_path / "x.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     cfg = load_config([])
     assert cfg == Config()
     cfg = load_config(
@@ -20,7 +22,7 @@ def test_defaults_and_overrides():
             "--model",
             "tiny",
             "--data",
-            "x.jsonl",
+            str(data),
             "algorithm.kl.coef=0.1",
         ]
     )
@@ -28,7 +30,7 @@ def test_defaults_and_overrides():
     assert cfg.algorithm.advantage == "rloo" and cfg.rollout.n == 4 and cfg.filter.zero_variance is True
     assert cfg.algorithm.policy_loss_kwargs == {"clip_high": 0.28}
     assert (
-        cfg.rollout.max_batch_size is None and cfg.model.path == "tiny" and cfg.data.train_file == "x.jsonl"
+        cfg.rollout.max_batch_size is None and cfg.model.path == "tiny" and cfg.data.train_file == str(data)
     )
     assert cfg.algorithm.kl.coef == 0.1
     assert load_config(["rollout.max_batch_size=16"]).rollout.max_batch_size == 16

@@ -53,12 +53,16 @@ def test_every_field_refuses_a_wrong_type_by_name(make):
 
 
 def test_literal_choices_are_refused_at_parse_time_with_the_choices():
+    # engines are names of trainers.config.ROLLOUT_ENGINES / TRAIN_ENGINES (one line per engine)
     with pytest.raises(
-        ValueError, match=r"^train\.engine must be one of torch, deepspeed, fsdp2, megatron, got 'jax'$"
+        ValueError, match=r"^train\.engine: unknown train engine 'jax'; known: deepspeed, fsdp2, megatron, torch$"
     ):
         load_config(["train.engine=jax"])
-    with pytest.raises(ValueError, match=r"^rollout\.engine must be one of hf, vllm, server, got 'sglang'$"):
+    with pytest.raises(ValueError, match=r"^rollout\.engine: unknown rollout engine 'sglang'; known: hf, server, vllm$"):
         load_config(["--rollout", "sglang"])
+    with pytest.raises(ValueError, match=r"^critic\.engine: unknown train engine 'jax'; known: '', deepspeed"):
+        load_config(["critic.engine=jax"])
+    assert load_config(["critic.engine="]).critic.engine == ""
     with pytest.raises(ValueError, match=r"^train\.zero_stage must be one of 0, 1, 2, 3, got '4'$"):
         load_config(["train.zero_stage=4"])
     assert load_config(["train.zero_stage=3"]).train.zero_stage == 3  # "3" converted to the int choice

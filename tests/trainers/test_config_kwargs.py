@@ -89,10 +89,12 @@ def test_what_load_config_leaves_to_validate_and_the_trainer():
     # the critic's GAE takes gamma and lam (validate checks them, naming the field)
     cfg = load_config(["--model", "tiny", "algorithm.advantage=gae", "algorithm.advantage_kwargs={lam: 0.9}"])
     validate(cfg)
-    # a name that is not registered (yet) is validate's to report; its kwargs are not checked here
-    cfg = load_config(
-        ["--model", "tiny", "algorithm.policy_loss=mine", "algorithm.policy_loss_kwargs={k: 1}"]
-    )
+    # a name that is not registered stops where it is given (register your own before load_config)
+    with pytest.raises(ValueError, match=r"^algorithm\.policy_loss: unknown policy loss 'mine'"):
+        load_config(["--model", "tiny", "algorithm.policy_loss=mine", "algorithm.policy_loss_kwargs={k: 1}"])
+    # ... and one set in code is validate's to report
+    cfg = load_config(["--model", "tiny"])
+    cfg.algorithm.policy_loss = "mine"
     with pytest.raises(ValueError, match=r"^algorithm\.policy_loss: unknown policy loss 'mine'"):
         validate(cfg)
     # environments the trainer builds itself: module:attr factories and gem: ids

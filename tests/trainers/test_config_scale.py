@@ -89,7 +89,10 @@ def test_bad_types_set_in_code_are_rejected_by_field(section, key, value):
 def test_offload_train_is_refused_by_the_async_trainer_and_keep_checked_by_the_agentic_one():
     with pytest.raises(ValueError, match=r"placement\.offload_train: the asynchronous trainer"):
         validate_async(cfg_of("placement.offload_train=true"))
-    a = load_config(["checkpoint.keep=-3"], base=AgenticConfig())
+    with pytest.raises(ValueError, match=r"checkpoint\.keep"):  # on the command line
+        load_config(["checkpoint.keep=-3"], base=AgenticConfig())
+    a = AgenticConfig()
+    a.checkpoint.keep = -3  # a config built in code
     with pytest.raises(ValueError, match=r"checkpoint\.keep"):
         validate_agentic(a)
 
@@ -156,7 +159,8 @@ def test_tensor_parallel_size_reaches_the_vllm_server_command_and_refuses_hf():
     assert "--tensor-parallel-size" not in server_command("/m", 8000)
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel_size"):
         server_command("/m", 8000, tensor_parallel_size=0)
-    cfg = cfg_of("rollout.tensor_parallel_size=2")
+    cfg = cfg_of()
+    cfg.rollout.tensor_parallel_size = 2  # set in code: load_config refuses it already
     tok = char_tokenizer()
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel_size=2: the hf engine"):
         make_rollout_engine(cfg, tiny_qwen2(tok, seed=0), tok, device="cpu")

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import torch
 
 from rollkit.losses.kl import AdaptiveKLController
-from trainers.config import AgenticConfig, help_text, load_config, validate, validate_agentic
+from trainers.config import AgenticConfig, help_text, load_config, set_value, validate, validate_agentic
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
 from trainers.loops import AsyncTrainer, SyncTrainer
 from trainers.models import char_tokenizer, tiny_qwen2
@@ -129,8 +129,12 @@ def test_good_values_pass():
     ],
 )
 def test_agentic_trainer_rejects_rlvr_only_options(override):
-    cfg = load_config([override], base=AgenticConfig())
     with pytest.raises(ValueError, match=rf"^{override.split('=')[0]}: wired in the RLVR trainers only"):
+        load_config([override], base=AgenticConfig())  # load_config validates
+    cfg = AgenticConfig()
+    key, value = override.split("=")
+    set_value(cfg, key, value)  # the same value set in code: validate_agentic refuses it
+    with pytest.raises(ValueError, match=rf"^{key}: wired in the RLVR trainers only"):
         validate_agentic(cfg)
 
 

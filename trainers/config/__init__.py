@@ -2,7 +2,8 @@
 
 The sections live by component, each with its fields' rules and its cross-field checks:
 
-* :mod:`trainers.config.engines` -- ``model``, ``rollout``, ``train``;
+* :mod:`trainers.config.engines` -- ``model``, ``rollout``, ``train``, checked against the engines'
+  capabilities (:mod:`trainers.config.capabilities`: every rollout and train engine, one line each);
 * :mod:`trainers.config.algorithm` -- ``algorithm`` (with ``kl``, ``correction``), ``critic``, ``filter``;
 * :mod:`trainers.config.data` -- ``data`` and its domains;
 * :mod:`trainers.config.rewards` -- ``reward``;
@@ -45,6 +46,13 @@ from trainers.config.algorithm import (
     check_registry_kwargs,
     critic_needed,
 )
+from trainers.config.capabilities import (
+    ROLLOUT_ENGINES,
+    TRAIN_ENGINES,
+    EngineTable,
+    RolloutEngineSpec,
+    TrainEngineSpec,
+)
 from trainers.config.cli import (
     ALIASES,
     FLAGS,
@@ -60,9 +68,7 @@ from trainers.config.cli import (
 from trainers.config.data import DOMAIN_KEYS, TASK_NAMES, DataConfig, DomainSpec, domain_specs
 from trainers.config.engines import (
     DTYPE_NAMES,
-    ROLLOUT_ENGINES,
     TINY_VLM_NAMES,
-    TRAIN_ENGINES,
     ModelConfig,
     RolloutConfig,
     RolloutEngineConfig,
@@ -94,6 +100,7 @@ from trainers.config.runs import (
     validate_async,
     validate_distill,
     validate_offline,
+    validate_run,
 )
 
 __all__ = [
@@ -126,6 +133,7 @@ __all__ = [
     "DistillConfig",
     "DistillSettings",
     "DomainSpec",
+    "EngineTable",
     "EnvConfig",
     "EvalConfig",
     "FilterConfig",
@@ -139,9 +147,11 @@ __all__ = [
     "RayConfig",
     "RewardConfig",
     "RolloutConfig",
+    "RolloutEngineSpec",
     "RolloutEngineConfig",
     "TailBatchingConfig",
     "TrainConfig",
+    "TrainEngineSpec",
     "WarmupConfig",
     "apply_dict",
     "apply_overrides",
@@ -163,4 +173,5 @@ __all__ = [
     "validate_async",
     "validate_distill",
     "validate_offline",
+    "validate_run",
 ]

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainers.config.engines import RolloutDtype, RolloutEngineConfig, RolloutEngineName
+from trainers.config.capabilities import ROLLOUT_ENGINES
+from trainers.config.engines import RolloutDtype, RolloutEngineConfig
 from trainers.config.fields import setting
 
 __all__ = ["AGENTIC_MODES", "AgenticEvalConfig", "AgenticRolloutConfig", "EnvConfig", "WarmupConfig"]
@@ -35,9 +36,9 @@ class AgenticRolloutConfig(RolloutEngineConfig):
     ``async`` launches ``num_env_groups`` task groups (``0``: ``groups_per_step``) of
     ``group_size + redundancy`` episodes and keeps the first finishers."""
 
-    engine: RolloutEngineName = (
-        "hf"  # "hf" (transformers), "vllm" (in process) or "server" (vllm serve over HTTP)
-    )
+    # a name of trainers.config.ROLLOUT_ENGINES: "hf" (transformers), "vllm" (in process) or
+    # "server" (vllm serve over HTTP)
+    engine: str = setting("hf", registry=ROLLOUT_ENGINES)
     mode: Literal["lockstep", "async"] = "async"
     # "trajectory": an episode is one sequence (its horizon ends at env.max_context); "turn": each
     # turn is a sample of its own, its context the window of the last env.max_context - max_tokens

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from trainers.config.capabilities import TRAIN_ENGINES, OrEmpty
 from trainers.config.engines import check_model_path
 from trainers.config.fields import setting
 
@@ -108,8 +109,9 @@ class CriticConfig:
     # head on the final hidden states; else a Hugging Face checkpoint directory (a causal LM, or a
     # critic saved by a previous run: AutoModelForTokenClassification with one label)
     model_path: str = ""
-    # "" = train.engine; "torch", "deepspeed" (train.zero_stage) or "fsdp2"
-    engine: Literal["", "torch", "deepspeed", "fsdp2", "megatron"] = ""
+    # "" = train.engine; else a name of trainers.config.TRAIN_ENGINES that trains a critic: "torch",
+    # "deepspeed" (train.zero_stage) or "fsdp2"
+    engine: str = setting("", registry=OrEmpty(TRAIN_ENGINES))
     lr: float = setting(
         1e-5, gt=0
     )  # its own AdamW learning rate (ROLL and verl train the critic faster than the actor)
@@ -197,8 +199,8 @@ def check_registry_kwargs(cfg: Any) -> None:
     reads from the batch are refused as keys; a function with ``**kwargs`` takes any other.
     :func:`~trainers.config.load_config` calls it; a bad key raises a one-line ``ValueError``
     naming the field, the key and the accepted keys. A name that is not registered is left to
-    :func:`~trainers.config.validate` / the trainer (it may be registered after parsing), as are
-    ``gem:`` ids and ``module:attr`` environments.
+    :func:`~trainers.config.validate` (which ``load_config`` runs next: register your own
+    primitives before loading a config), as are ``gem:`` ids and ``module:attr`` environments.
 
     >>> from trainers.config import Config
     >>> cfg = Config()

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from trainers.config.algorithm import check_registry_kwargs
-from trainers.config.fields import _yaml, convert, hints, type_name
-from trainers.config.runs import Config
+from trainers.config.fields import _yaml, check_value, convert, hints, type_name
+from trainers.config.runs import Config, validate_run
 
 __all__ = [
     "ALIASES",
@@ -61,7 +61,8 @@ def _field_names(obj: Any) -> list[str]:
 
 
 def set_value(cfg: Config, key: str, value: Any) -> None:
-    """Set the dotted field ``key`` of ``cfg`` to ``value`` (converted and type-checked)."""
+    """Set the dotted field ``key`` of ``cfg`` to ``value`` (converted, and checked against the
+    field's type, choices, bounds and registry: a bad value raises here, naming ``key``)."""
     parts = key.split(".")
     obj: Any = cfg
     for i, part in enumerate(parts):
@@ -78,7 +79,10 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
                 for k, v in value.items():
                     set_value(cfg, f"{path}.{k}", v)
                 return
-            setattr(obj, part, convert(path, value, tp))
+            v = convert(path, value, tp)
+            # bounds and registry names too, so a bad value stops where it was given
+            check_value(path, v, tp, {f.name: f for f in dataclasses.fields(obj)}[part].metadata.get("rule"))
+            setattr(obj, part, v)
         else:
             obj = getattr(obj, part)
 
@@ -150,10 +154,12 @@ def apply_overrides(cfg: Config, overrides: list[str] | list[tuple[str, str]]) -
 def load_config(argv: list[str] | None = None, *, base: Config | None = None) -> Config:
     """A :class:`Config` from command-line tokens: ``--config FILE`` first, then overrides in order.
 
-    ``--help`` raises ``SystemExit(0)`` after printing :func:`help_text`. The keyword arguments
-    of the registry-named choices are then checked against the registered function's signature
-    (:func:`check_registry_kwargs`), so a misspelt hyper-parameter stops here, before any model
-    loads.
+    ``--help`` raises ``SystemExit(0)`` after printing :func:`help_text`. The returned config is
+    validated (:func:`~trainers.config.runs.validate_run`: the validator of ``base``'s pipeline),
+    and the keyword arguments of the registry-named choices are checked against the registered
+    function's signature (:func:`check_registry_kwargs`), so a bad value or a misspelt
+    hyper-parameter stops here, before any model loads; the trainers' own calls of the validator
+    then find the config checked and do nothing (a field changed since is checked again).
     """
     config_file, pairs, want_help = parse_args(list(argv or []))
     cfg = base if base is not None else Config()
@@ -176,6 +182,7 @@ def load_config(argv: list[str] | None = None, *, base: Config | None = None) ->
         apply_dict(cfg, data)
     apply_overrides(cfg, pairs)
     check_registry_kwargs(cfg)
+    validate_run(cfg)
     return cfg
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainers.config.algorithm import critic_needed
+from trainers.config.capabilities import ROLLOUT_ENGINES, TRAIN_ENGINES
 from trainers.config.engines import TINY_VLM_NAMES
 from trainers.config.fields import setting
 from trainers.models import is_hub_id
@@ -173,6 +174,14 @@ def check_data(c: Any) -> None:
                 raise ValueError(f"{name} must be one of {', '.join(map(str, known))}, got {value!r}")
 
 
+def _with_images(torchvision: bool = True) -> str:
+    """The rollout engines that take images (without torchvision for a Qwen2-VL model: ``torchvision=False``)."""
+    specs = [ROLLOUT_ENGINES[n] for n in ROLLOUT_ENGINES]
+    return " or ".join(
+        s.name for s in specs if s.images and (torchvision or not s.qwen2_vl_needs_torchvision)
+    )
+
+
 def _qwen_vl(path: str) -> bool:
     """Whether ``model.path`` is a Qwen2-VL-family model (``tiny_vl`` or its config's model_type)."""
     return path == "tiny_vl" or str(checkpoint_config(path).get("model_type", "")).startswith("qwen2")
@@ -183,17 +192,18 @@ def check_vision(c: Any) -> None:
     ``vision_config``) cannot do yet, by name."""
     if not (c.model.path in TINY_VLM_NAMES or (c.model.path and is_vision_checkpoint(c.model.path))):
         return
+    rollout, train = ROLLOUT_ENGINES[c.rollout.engine], TRAIN_ENGINES[c.train.engine]
     refused = [
-        (c.rollout.engine == "server", "rollout.engine=server",
-         "vLLM's token-in completions API takes no images; use rollout.engine=vllm or hf"),
+        (not rollout.images, f"rollout.engine={rollout.name}",
+         f"{rollout.notes.get('images', 'it takes no images')}; use rollout.engine={_with_images()}"),
         (c.train.packing, "train.packing", "packed micro-batches do not carry image inputs yet"),
         (critic_needed(c), f"algorithm.advantage={c.algorithm.advantage}",
          "the critic's value forward does not take image inputs yet"),
-        (c.train.engine == "fsdp2" and c.train.logprob_chunk_tokens > 0, "train.logprob_chunk_tokens",
-         "the FSDP2 engine's lean head runs the text decoder only"),
-        (c.rollout.engine == "vllm" and _qwen_vl(c.model.path) and importlib.util.find_spec("torchvision") is None,
-         "rollout.engine=vllm", "vLLM's Qwen2-VL model needs torchvision, which is not installed; use "
-         "rollout.engine=hf, or an Idefics3 / SmolVLM model (model.path=tiny_idefics3)"),
+        (c.train.logprob_chunk_tokens > 0 and not train.lean_head_images, "train.logprob_chunk_tokens",
+         train.notes.get("lean_head_images", f"train.engine={train.name}'s lean head takes no image inputs")),
+        (rollout.qwen2_vl_needs_torchvision and _qwen_vl(c.model.path) and importlib.util.find_spec("torchvision") is None,
+         f"rollout.engine={rollout.name}", f"its Qwen2-VL model needs torchvision, which is not installed; use "
+         f"rollout.engine={_with_images(torchvision=False)}, or an Idefics3 / SmolVLM model (model.path=tiny_idefics3)"),
     ]  # fmt: skip
     for bad, field_, why in refused:
         if bad:

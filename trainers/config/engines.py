@@ -8,14 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from trainers.config.capabilities import ROLLOUT_ENGINES, TRAIN_ENGINES, EngineTable
 from trainers.config.fields import setting
 from trainers.models import is_hub_id
 
 __all__ = [
     "DTYPE_NAMES",
-    "ROLLOUT_ENGINES",
     "TINY_VLM_NAMES",
-    "TRAIN_ENGINES",
     "ModelConfig",
     "RolloutConfig",
     "RolloutEngineConfig",
@@ -24,15 +23,10 @@ __all__ = [
     "server_addresses",
 ]
 
-#: ``rollout.engine`` / ``train.engine`` names (the ``Literal`` choices of those fields)
-ROLLOUT_ENGINES = ("hf", "vllm", "server")
-TRAIN_ENGINES = ("torch", "deepspeed", "fsdp2", "megatron")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 #: ``model.path`` names of the tiny random vision-language models (trainers.engines.build.TINY_VLMS)
 TINY_VLM_NAMES = ("tiny_vl", "tiny_idefics3")
 
-RolloutEngineName = Literal["hf", "vllm", "server"]
-TrainEngineName = Literal["torch", "deepspeed", "fsdp2", "megatron"]
 DtypeName = Literal["float32", "bfloat16", "float16"]
 RolloutDtype = Literal["", "auto", "float32", "bfloat16", "float16"]
 
@@ -85,9 +79,9 @@ class RolloutEngineConfig:
 class RolloutConfig(RolloutEngineConfig):
     """Sampling. ``prompts_per_step`` x ``n`` samples make the batch of one step."""
 
-    engine: RolloutEngineName = (
-        "hf"  # "hf" (transformers), "vllm" (in process) or "server" (vllm serve over HTTP)
-    )
+    # a name of trainers.config.ROLLOUT_ENGINES: "hf" (transformers), "vllm" (in process) or
+    # "server" (vllm serve over HTTP)
+    engine: str = setting("hf", registry=ROLLOUT_ENGINES)
     prompts_per_step: int = setting(4, ge=1)
     n: int = setting(8, ge=1)
     temperature: float = setting(0.7, gt=0)
@@ -119,9 +113,9 @@ class TrainConfig:
     micro-batches of ``micro_batch_size`` sequences, one optimizer step per
     ``mini_batch_size`` sequences (``0``: the whole batch)."""
 
-    engine: TrainEngineName = (
-        "torch"  # "torch" (plain PyTorch), "deepspeed", "fsdp2" (torch fully_shard) or "megatron"
-    )
+    # a name of trainers.config.TRAIN_ENGINES: "torch" (plain PyTorch), "deepspeed", "fsdp2"
+    # (torch fully_shard) or "megatron"
+    engine: str = setting("torch", registry=TRAIN_ENGINES)
     zero_stage: Literal[0, 1, 2, 3] = 2  # DeepSpeed ZeRO stage (0-3)
     # train.engine=megatron (Megatron-Core; docs/megatron.md): tensor- and pipeline-parallel sizes;
     # the rest of the train ranks (placement.train_workers with ray.enabled) are data parallel
@@ -221,15 +215,47 @@ def check_model_path(path: str, name: str = "model.path") -> None:
         )
 
 
+def _names(table: EngineTable, capability: str) -> str:
+    """The engines of ``table`` with ``capability`` (a bool one), as ``a or b``."""
+    return " or ".join(n for n in table if table.supports(n, capability)) or "none"
+
+
+def refuse_unless(table: EngineTable, name: str, capability: str, field_: str, *, train: Any = None) -> None:
+    """Raise ``ValueError`` naming ``field_`` where engine ``name`` lacks ``capability``."""
+    if not table.supports(name, capability, train=train):
+        note = table[name].notes.get(capability)
+        raise ValueError(f"{field_}: not supported by {table.field}={name}" + (f" ({note})" if note else ""))
+
+
 def check_rollout_engine(r: RolloutEngineConfig, engine: str) -> None:
-    """The ``rollout.engine=server`` fields and tensor parallelism, against ``engine``."""
+    """The server fields and tensor parallelism against ``engine``'s capabilities."""
     server_addresses(r.servers)
-    if r.servers and engine != "server":
-        raise ValueError(f"rollout.servers is set but rollout.engine={engine!r}: set rollout.engine=server")
-    if r.tensor_parallel_size > 1 and engine == "hf":
+    spec = ROLLOUT_ENGINES[engine]
+    if r.servers and not spec.remote:
         raise ValueError(
-            f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the transformers engine (rollout.engine=hf) "
-            "runs on one device; use rollout.engine=vllm or server, or tensor_parallel_size=1"
+            f"rollout.servers is set but rollout.engine={engine!r}: set rollout.engine="
+            f"{_names(ROLLOUT_ENGINES, 'remote')}"
+        )
+    if r.tensor_parallel_size > 1 and not spec.tensor_parallel:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size}: "
+            f"{spec.notes.get('tensor_parallel', f'rollout.engine={engine} runs on one device')}; use rollout.engine={_names(ROLLOUT_ENGINES, 'tensor_parallel')}, or tensor_parallel_size=1"
+        )
+
+
+def check_remote_rollout(cfg: Any, num_engines: int = 1) -> None:
+    """An engine that drives inference servers runs in the trainer's process, one over all servers."""
+    if not ROLLOUT_ENGINES[cfg.rollout.engine].remote:
+        return
+    if cfg.ray.enabled:
+        raise ValueError(
+            f"rollout.engine={cfg.rollout.engine}: the inference servers are the rollout workers "
+            "(rollout.num_servers or rollout.servers); set ray.enabled=false"
+        )
+    if num_engines != 1:
+        raise ValueError(
+            f"asynchronous.num_engines={num_engines}: with rollout.engine={cfg.rollout.engine} one engine "
+            "routes over all servers; set rollout.num_servers (or rollout.servers) instead"
         )
 
 
@@ -254,9 +280,9 @@ def check_rlvr_rollout(cfg: Any) -> None:
     r, t = cfg.rollout, cfg.train
     if r.lora_weights == "adapter" and not t.lora_rank:
         raise ValueError("rollout.lora_weights=adapter: needs a LoRA policy (train.lora_rank > 0)")
-    if r.lora_weights == "adapter" and r.engine != "vllm":
+    if r.lora_weights == "adapter" and not ROLLOUT_ENGINES.supports(r.engine, "lora_adapter"):
         raise ValueError(
-            f"rollout.lora_weights=adapter: served by vLLM's LoRA support (rollout.engine=vllm), "
+            f"rollout.lora_weights=adapter: served unmerged by rollout.engine={_names(ROLLOUT_ENGINES, 'lora_adapter')}, "
             f"not rollout.engine={r.engine!r}; use lora_weights=merged"
         )
     if r.lora_weights == "adapter" and cfg.placement.sleep_level == 2:
@@ -269,36 +295,27 @@ def check_rlvr_rollout(cfg: Any) -> None:
 
 def _check_lora(t: TrainConfig, critic_engine: str) -> None:
     """``train.lora_*`` against the engines that train them."""
-    if t.lora_rank and t.engine == "deepspeed" and t.zero_stage == 3:
-        raise ValueError(
-            "train.lora_rank: LoRA with train.engine=deepspeed needs train.zero_stage <= 2 (the merged export and "
-            "the peft save read whole base and adapter weights, which ZeRO-3 keeps partitioned; not wired)"
-        )
-    if t.lora_rank and t.engine == "fsdp2":
-        raise ValueError(
-            "train.lora_rank: LoRA is wired for train.engine=torch and deepspeed (ZeRO 0-2), not fsdp2 (the merged "
-            "export and the peft save read whole weights, which FSDP2 keeps as sharded DTensors; not wired)"
-        )
-    if t.lora_rank and not [s for s in t.lora_targets.split(",") if s.strip()]:
+    if not t.lora_rank:
+        return
+    refuse_unless(TRAIN_ENGINES, t.engine, "lora", "train.lora_rank", train=t)
+    if not [s for s in t.lora_targets.split(",") if s.strip()]:
         raise ValueError("train.lora_targets: name at least one module (comma-separated), e.g. q_proj,v_proj")
-    if t.lora_rank and critic_engine == "fsdp2":
-        raise ValueError(
-            "critic.engine: a LoRA critic is wired for torch and deepspeed (ZeRO 0-2), not fsdp2"
-        )
+    if critic_engine:
+        refuse_unless(TRAIN_ENGINES, critic_engine, "critic_lora", "critic.engine", train=t)
 
 
-def _check_megatron(cfg: Any, critic_engine: str | None) -> None:
-    """``train.megatron_tp`` / ``megatron_pp`` and what the Megatron engine does not do."""
+def _check_model_parallel(cfg: Any, critic_engine: str | None) -> None:
+    """``train.megatron_tp`` / ``megatron_pp`` and what a model-parallel engine does not do."""
     t = cfg.train
     n = t.megatron_tp * t.megatron_pp
-    if critic_engine == "megatron":
-        raise ValueError(
-            "critic.engine: the Megatron engine trains the policy; set critic.engine=torch (or deepspeed)"
-        )
-    if t.engine != "megatron":
+    if critic_engine:
+        refuse_unless(TRAIN_ENGINES, critic_engine, "critic", "critic.engine")
+    spec = TRAIN_ENGINES[t.engine]
+    if not spec.model_parallel:
         if n > 1:
             raise ValueError(
-                f"train.megatron_tp / megatron_pp: apply to train.engine=megatron, got {t.engine!r}"
+                f"train.megatron_tp / megatron_pp: apply to train.engine={_names(TRAIN_ENGINES, 'model_parallel')}, "
+                f"got {t.engine!r}"
             )
         return
     ray, workers = getattr(cfg, "ray", None), getattr(getattr(cfg, "placement", None), "train_workers", 1)
@@ -307,50 +324,61 @@ def _check_megatron(cfg: Any, critic_engine: str | None) -> None:
             f"train.megatron_tp x megatron_pp = {n} ranks: needs ray.enabled=true and placement.train_workers "
             f"a multiple of {n} (got {workers}; in one process the world is one rank)"
         )
-    refused = [("train.lora_rank", t.lora_rank), ("train.packing", t.packing), ("train.compile", t.compile),
-               ("train.fsdp2_cpu_offload", t.fsdp2_cpu_offload)]  # fmt: skip
-    for name, value in refused:
-        if value:
-            raise ValueError(f"{name}: not supported by train.engine=megatron (use train.engine=torch)")
-    if cfg.model.path in TINY_VLM_NAMES:
+
+
+def _check_autocast(t: TrainConfig) -> None:
+    """An explicit ``train.autocast`` against the engine (any device, CUDA only, or its own mode)."""
+    if t.autocast not in ("bfloat16", "float16"):
+        return
+    spec = TRAIN_ENGINES[t.engine]
+    note = spec.notes.get("autocast", "")
+    if spec.autocast == "none":
         raise ValueError(
-            f"model.path={cfg.model.path}: train.engine=megatron maps Llama / Qwen2 text models only"
+            f"train.autocast={t.autocast} applies to train.engine="
+            f"{' or '.join(n for n in TRAIN_ENGINES if TRAIN_ENGINES[n].autocast != 'none')}; "
+            f"with train.engine={t.engine} {note or 'set train.autocast=off'}"
         )
-    if t.autocast in ("bfloat16", "float16") and not t.device.startswith("cuda"):
+    if spec.autocast == "cuda" and not t.device.startswith("cuda"):
         raise ValueError(
-            f"train.autocast={t.autocast}: Megatron-Core's linear layers autocast on CUDA only; on "
-            f"train.device={t.device} use train.autocast=off or auto, or model.dtype=bfloat16"
+            f"train.autocast={t.autocast}: {note or 'autocast on CUDA only'}; on train.device={t.device} use "
+            "train.autocast=off or auto, or model.dtype=bfloat16"
         )
 
 
 def check_train(cfg: Any, critic_engine: str | None = None) -> None:
-    """The ``train`` section against its engine (and the critic's, ``critic_engine``: None
-    without a critic): LoRA, master weights, the lean head, autocast, FSDP2 offload, Megatron."""
+    """The ``train`` section against its engine's capabilities (and the critic's, ``critic_engine``:
+    None without a critic): LoRA, master weights, the lean head, autocast, offload, model parallelism."""
     t = cfg.train
     _check_lora(t, critic_engine or "")
-    if t.fsdp2_cpu_offload and "fsdp2" not in (t.engine, critic_engine or ""):
+    if t.fsdp2_cpu_offload and not any(
+        TRAIN_ENGINES.supports(e, "cpu_offload") for e in (t.engine, critic_engine) if e
+    ):
         raise ValueError(
-            f"train.fsdp2_cpu_offload: FSDP2's CPUOffloadPolicy needs train.engine=fsdp2, got {t.engine!r} "
-            "(DeepSpeed offloads through ds_config's offload_param / offload_optimizer)"
+            f"train.fsdp2_cpu_offload: FSDP2's CPUOffloadPolicy needs train.engine={_names(TRAIN_ENGINES, 'cpu_offload')}, "
+            f"got {t.engine!r} (DeepSpeed offloads through ds_config's offload_param / offload_optimizer)"
         )
-    if t.logprob_chunk_tokens and t.engine == "deepspeed" and t.zero_stage == 3:
+    if t.logprob_chunk_tokens:
+        refuse_unless(TRAIN_ENGINES, t.engine, "lean_head", "train.logprob_chunk_tokens", train=t)
+    if t.master_weights and (
+        not TRAIN_ENGINES.supports(t.engine, "master_weights")
+        or cfg.model.dtype not in ("bfloat16", "float16")
+    ):
         raise ValueError(
-            "train.logprob_chunk_tokens: the memory-lean log-probs need the whole LM head weight; "
-            "with train.engine=deepspeed use train.zero_stage <= 2 (or logprob_chunk_tokens=0)"
-        )
-    if t.master_weights and (t.engine != "torch" or cfg.model.dtype not in ("bfloat16", "float16")):
-        raise ValueError(
-            "train.master_weights: needs train.engine=torch and model.dtype=bfloat16 or float16 "
-            "(DeepSpeed's bf16 mode and FSDP2's mixed_precision keep float32 masters themselves)"
+            f"train.master_weights: needs train.engine={_names(TRAIN_ENGINES, 'master_weights')} and model.dtype="
+            "bfloat16 or float16 (DeepSpeed's bf16 mode and FSDP2's mixed_precision keep float32 masters themselves)"
         )
     if t.master_weights and t.autocast != "off":
         raise ValueError(
             "train.master_weights: the parameters are already low precision; set train.autocast=off"
         )
-    _check_megatron(cfg, critic_engine)
-    if t.autocast in ("bfloat16", "float16") and t.engine not in ("torch", "megatron"):
-        raise ValueError(
-            f"train.autocast={t.autocast} applies to the torch engine; with "
-            f"train.engine={t.engine} set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"
-        )
+    _check_model_parallel(cfg, critic_engine)
+    for field_, value, capability in (
+        ("train.packing", t.packing, "packing"),
+        ("train.compile", t.compile, "compile"),
+    ):
+        if value:
+            refuse_unless(TRAIN_ENGINES, t.engine, capability, field_)
+    if cfg.model.path in TINY_VLM_NAMES:
+        refuse_unless(TRAIN_ENGINES, t.engine, "vision", f"model.path={cfg.model.path}")
+    _check_autocast(t)
     check_model_path(cfg.model.path)

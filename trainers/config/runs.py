@@ -25,11 +25,13 @@ from trainers.config.algorithm import (
     critic_engine,
     critic_needed,
 )
+from trainers.config.capabilities import TRAIN_ENGINES
 from trainers.config.data import DataConfig, check_data, check_vision
 from trainers.config.engines import (
     ModelConfig,
     RolloutConfig,
     TrainConfig,
+    check_remote_rollout,
     check_rlvr_rollout,
     check_rollout_engine,
     check_rollout_placement,
@@ -60,6 +62,7 @@ __all__ = [
     "validate_async",
     "validate_distill",
     "validate_offline",
+    "validate_run",
 ]
 
 
@@ -177,16 +180,7 @@ def validate(cfg: Config) -> None:
     check_rlvr_algorithm(c)
     check_data(c)
     check_eval(c.eval)
-    if c.rollout.engine == "server" and c.ray.enabled:
-        raise ValueError(
-            "rollout.engine=server: the inference servers are the rollout workers (rollout.num_servers "
-            "or rollout.servers); set ray.enabled=false"
-        )
-    if c.rollout.engine == "server" and c.asynchronous.num_engines != 1:
-        raise ValueError(
-            f"asynchronous.num_engines={c.asynchronous.num_engines}: with rollout.engine=server one engine "
-            "routes over all servers; set rollout.num_servers (or rollout.servers) instead"
-        )
+    check_remote_rollout(c, c.asynchronous.num_engines)
     check_vision(c)
     if c.asynchronous.enabled:
         check_async(c)
@@ -230,10 +224,7 @@ def validate_agentic(cfg: AgenticConfig) -> None:
         raise ValueError(
             "placement.offload_train: not wired in the agentic trainer (its rollout and update overlap)"
         )
-    if cfg.ray.enabled and r.engine == "server":
-        raise ValueError(
-            "rollout.engine=server: the inference servers are the rollout workers; set ray.enabled=false"
-        )
+    check_remote_rollout(cfg)
     if cfg.ray.enabled and critic_needed(cfg):
         raise ValueError(
             f"algorithm.advantage={a.advantage}: the agentic critic runs in process; set ray.enabled=false"
@@ -248,8 +239,9 @@ def validate_offline(cfg: OfflineConfig) -> None:
         return
     check_fields(cfg)
     o, t = cfg.offline, cfg.train
-    if o.loss == "rm" and t.engine != "torch":
-        raise ValueError(f"train.engine: offline.loss=rm trains with the torch engine, got {t.engine!r}")
+    if o.loss == "rm" and not TRAIN_ENGINES.supports(t.engine, "reward_model"):
+        names = " or ".join(n for n in TRAIN_ENGINES if TRAIN_ENGINES.supports(n, "reward_model"))
+        raise ValueError(f"train.engine: offline.loss=rm trains with the {names} engine, got {t.engine!r}")
     if o.loss == "rm" and t.lora_rank:
         raise ValueError("train.lora_rank: offline.loss=rm trains every weight (set train.lora_rank=0)")
     check_checkpoint(cfg.checkpoint)
@@ -262,3 +254,15 @@ def validate_distill(cfg: DistillConfig) -> None:
     d = cfg.distill
     if d.task_coef and d.mode != "rl":
         raise ValueError(f"distill.task_coef={d.task_coef}: task advantages need distill.mode=rl")
+
+
+def validate_run(cfg: Any) -> None:
+    """The validator of ``cfg``'s pipeline: :func:`validate_distill`, :func:`validate`,
+    :func:`validate_agentic` or :func:`validate_offline` (what :func:`trainers.config.load_config`
+    runs on the config it returns)."""
+    for cls, check in ((DistillConfig, validate_distill), (Config, validate), (AgenticConfig, validate_agentic),
+                       (OfflineConfig, validate_offline)):  # fmt: skip
+        if isinstance(cfg, cls):
+            check(cfg)
+            return
+    raise TypeError(f"cfg: expected a run config (Config, AgenticConfig, OfflineConfig, DistillConfig), got {type(cfg).__name__}")

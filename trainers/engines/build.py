@@ -1,43 +1,45 @@
-"""Engines from a config: the dtype policy, the policy model, and the rollout / train engine factories.
+"""Engines from a config: the policy model and the rollout / train engine factories.
 
 Every loop builds its engines here, in process or inside a Ray actor:
 
 * :func:`build_model` loads ``cfg.model`` (``"tiny"``: a random tiny Qwen2 with the character
   tokenizer; ``""``: the embedded default SmolLM2-135M-Instruct; else a checkpoint directory);
 * :func:`make_rollout_engine` / :func:`make_train_engine` wrap a model in the engine that
-  ``rollout.engine`` / ``train.engine`` names, with the config's sampling dtype, optimizer and
-  learning-rate schedule; :func:`build_engines` does both (the rollout gets a copy).
+  ``rollout.engine`` / ``train.engine`` names: the builder its line in
+  :data:`trainers.config.ROLLOUT_ENGINES` / :data:`~trainers.config.TRAIN_ENGINES` names
+  (:func:`engine_builder`), with the config's sampling dtype, optimizer and learning-rate
+  schedule; :func:`build_engines` does both (the rollout gets a copy).
 
-The dtype policy: ``rollout.dtype`` and ``train.autocast`` may say ``auto``, which picks
-bfloat16 where its matmuls are fast (:func:`fast_bf16`: CUDA with bf16, or a CPU with AMX
-tiles) and the model's dtype elsewhere. ``ROLLKIT_FAST_BF16=0`` forces the "not fast" answer
-(float32 on any CPU) and ``=1`` the fast one, so one machine can exercise both paths.
+The dtype policy, the schedule and the LoRA settings every builder reads are
+:mod:`trainers.engines.options` (re-exported here).
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import os
-import tempfile
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainers.config import ROLLOUT_ENGINES, TRAIN_ENGINES, server_addresses
+from trainers.config import ROLLOUT_ENGINES, TRAIN_ENGINES
 from trainers.deps import require
 from trainers.engines.base import RolloutEngine, TrainEngine
-from trainers.engines.deepspeed_train import DeepSpeedTrainEngine
-from trainers.engines.fsdp2_train import FSDP2TrainEngine
-from trainers.engines.hf_rollout import HFRolloutEngine
-from trainers.engines.lora import adapter_config, apply_lora
-from trainers.engines.megatron_train import MegatronTrainEngine
-from trainers.engines.server_rollout import ServerRolloutEngine
+from trainers.engines.lora import apply_lora
+from trainers.engines.options import (
+    DTYPES,
+    dtype_name,
+    fast_bf16,
+    lora_targets,
+    lr_lambda,
+    parse_dtype,
+    rollout_dtype,
+    train_autocast,
+)
 from trainers.engines.torch_train import TorchTrainEngine
-from trainers.engines.vllm_rollout import VLLMRolloutEngine
-from trainers.models import char_tokenizer, default_model_path, is_hub_id, load_model, save_model, tiny_qwen2
+from trainers.models import char_tokenizer, default_model_path, is_hub_id, load_model, tiny_qwen2
 from trainers.vision import (
     freeze_vision,
     is_vision_checkpoint,
@@ -57,104 +59,25 @@ __all__ = [
     "build_engines",
     "build_model",
     "dtype_name",
+    "engine_builder",
     "fast_bf16",
     "frozen_reference",
     "lr_lambda",
     "make_rollout_engine",
-    "make_server_engine",
     "make_train_engine",
     "parse_dtype",
     "rollout_dtype",
     "train_autocast",
 ]
 
-#: dtype names of the config -> torch dtypes
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str, field: str = "model.dtype") -> torch.dtype:
-    """The torch dtype called ``name`` (``float32``, ``bfloat16`` or ``float16``)."""
-    try:
-        return DTYPES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"{field} must be float32, bfloat16 or float16, got {name!r}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The config name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return {v: k for k, v in DTYPES.items()}[dtype]
-
-
-def fast_bf16(device: str) -> bool:
-    """Whether bfloat16 matmuls are fast on ``device``: CUDA with bf16 support, or a CPU with
-    AMX tiles (measured on this project's CPUs: 4-9x float32 for a 2048x576x1536 matmul).
-    ``ROLLKIT_FAST_BF16=0`` / ``=1`` overrides the answer (tests exercise both paths)."""
-    force = os.environ.get("ROLLKIT_FAST_BF16", "")
-    if force in ("0", "1"):
-        return force == "1"
-    if str(device).startswith("cuda"):
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(amx is not None and amx())
-
-
-def rollout_dtype(cfg: Any, device: str) -> torch.dtype:
-    """``rollout.dtype`` resolved (``""``: ``model.dtype``; ``"auto"``: bfloat16 if fast)."""
-    d = cfg.rollout.dtype
-    if d == "":
-        return parse_dtype(cfg.model.dtype)
-    if d == "auto":
-        return torch.bfloat16 if fast_bf16(device) else parse_dtype(cfg.model.dtype)
-    if d not in DTYPES:
-        raise ValueError(f"rollout.dtype must be '', auto, float32, bfloat16 or float16, got {d!r}")
-    return DTYPES[d]
-
-
-def train_autocast(cfg: Any, device: str) -> torch.dtype | None:
-    """``train.autocast`` resolved to a dtype or None (``"auto"``: bfloat16 if fast and the
-    model is float32, for the torch engine)."""
-    a = cfg.train.autocast
-    if a == "off":
-        return None
-    if a == "auto":
-        engine = cfg.train.engine
-        ok = engine == "torch" or (engine == "megatron" and device.startswith("cuda"))
-        ok = ok and cfg.model.dtype == "float32" and fast_bf16(device)
-        return torch.bfloat16 if ok else None
-    if a not in ("bfloat16", "float16"):
-        raise ValueError(f"train.autocast must be off, auto, bfloat16 or float16, got {a!r}")
-    if cfg.train.engine not in ("torch", "megatron"):
-        raise ValueError(
-            f"train.autocast={a} applies to the torch and megatron engines; with train.engine={cfg.train.engine} "
-            "set model.dtype=bfloat16 (DeepSpeed's own bf16 mode)"
-        )
-    return DTYPES[a]
-
-
-def lr_lambda(cfg: Any) -> Callable[[int], float]:
-    """The learning-rate factor per optimizer step: linear warm-up over ``train.warmup_steps``,
-    then constant or cosine decay to 0 at ``train.steps`` (``train.lr_schedule``)."""
-    warm, total, kind = cfg.train.warmup_steps, max(cfg.train.steps, 1), cfg.train.lr_schedule
-    if kind not in ("constant", "cosine"):
-        raise ValueError(f"train.lr_schedule must be constant or cosine, got {kind!r}")
-
-    def f(step: int) -> float:  # step counts optimizer steps
-        if warm and step < warm:
-            return (step + 1) / warm
-        if kind == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
-        return 1.0
-
-    return f
-
 
 def tiny_heads(cfg: Any) -> int:
-    """``model.tiny_heads``, where 0 picks 4 heads (head size 16), or 2 (head size 32) for a vLLM
-    rollout (``rollout.engine`` vllm or server): vLLM's CPU attention has no head size 16."""
+    """``model.tiny_heads``, where 0 picks 4 heads (head size 16), or 2 (head size 32) for a
+    rollout engine without head size 16 (vLLM's CPU attention: ``rollout.engine`` vllm or server)."""
     if cfg.model.tiny_heads:
         return int(cfg.model.tiny_heads)
     engine = getattr(getattr(cfg, "rollout", None), "engine", "hf")
-    return 2 if engine in ("vllm", "server") else 4
+    return 4 if ROLLOUT_ENGINES.supports(engine, "head_size_16") else 2
 
 
 def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
@@ -194,101 +117,28 @@ def build_model(cfg: Any, *, max_positions: int = 512) -> tuple[Any, Any]:
     return load_model(path, dtype=dtype)
 
 
-def _lora_targets(cfg: Any) -> tuple[str, ...]:
-    return tuple(s.strip() for s in cfg.train.lora_targets.split(",") if s.strip())
-
-
-def _rollout_lora(cfg: Any) -> dict[str, Any] | None:
-    """The adapter config a vLLM rollout engine serves (``rollout.lora_weights=adapter``), else None."""
-    t = cfg.train
-    if not t.lora_rank or _lora_export(cfg) != "adapter":
-        return None
-    return adapter_config(t.lora_rank, t.lora_alpha or None, _lora_targets(cfg))
-
-
-def _lora_export(cfg: Any) -> str:
-    """``rollout.lora_weights`` where the config has one (offline configs have no rollout)."""
-    return getattr(getattr(cfg, "rollout", None), "lora_weights", "merged")
+def engine_builder(table: Any, name: str) -> Callable[..., Any]:
+    """The builder of engine ``name`` in ``table`` (:data:`trainers.config.ROLLOUT_ENGINES` /
+    :data:`~trainers.config.TRAIN_ENGINES`): its spec's ``"module:function"``, imported now (the
+    configuration names engines without importing them)."""
+    spec = table[name]
+    module, _, attr = spec.builder.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{table.field}={name}: its builder {spec.builder} cannot be loaded ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"{table.field}={name}: its builder {spec.builder} is not callable")
+    return fn
 
 
 def make_rollout_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> RolloutEngine:
-    """The ``rollout.engine`` engine over ``model`` (used as is: pass a copy). vLLM loads from
-    a directory: the model and tokenizer are saved to a private temporary directory first,
-    which lives as long as the engine (``engine.model_dir``)."""
-    r = cfg.rollout
-    if r.engine == "hf":
-        if r.tensor_parallel_size != 1:
-            raise ValueError(
-                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the hf engine runs on one device"
-            )
-        return HFRolloutEngine(
-            model, tokenizer, device=device, dtype=rollout_dtype(cfg, device), max_batch_size=r.max_batch_size
-        )
-    if r.engine == "vllm":
-        tmp = tempfile.TemporaryDirectory(prefix="rollkit-vllm-")
-        save_model(model, tokenizer, tmp.name)
-        eng = VLLMRolloutEngine(
-            tmp.name,
-            dtype=dtype_name(rollout_dtype(cfg, device)),
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            max_model_len=r.max_model_len,
-            seed=cfg.seed,
-            lora=_rollout_lora(cfg),
-            tensor_parallel_size=r.tensor_parallel_size,
-        )
-        eng.model_dir = tmp  # removed with the engine
-        return eng
-    if r.engine == "server":
-        return make_server_engine(cfg, model, tokenizer, device=device)
-    raise ValueError(f"rollout.engine must be one of {ROLLOUT_ENGINES}, got {r.engine!r}")
-
-
-def make_server_engine(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> ServerRolloutEngine:
-    """``rollout.engine=server``: a :class:`~trainers.engines.server_rollout.ServerRolloutEngine`
-    over ``rollout.servers`` (which then get ``model``'s weights, version 0) or over
-    ``rollout.num_servers`` local ``vllm serve`` processes of ``model``. The model, the server
-    logs and the weight files live in ``rollout.server_dir`` (``""``: a temporary directory that
-    lives as long as the engine, ``engine.model_dir``)."""
-    r = cfg.rollout
-    tmp = None
-    if r.server_dir:
-        run = Path(r.server_dir)
-        run.mkdir(parents=True, exist_ok=True)
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="rollkit-servers-")
-        run = Path(tmp.name)
-    model_path = save_model(model, tokenizer, run / "model")
-    dtype = dtype_name(rollout_dtype(cfg, device))
-    kw = dict(
-        tokenizer=tokenizer,
-        timeout_s=r.server_timeout_s,
-        request_timeout_s=r.server_request_timeout_s,
-        weights_dir=run / "weights",
-        dtype=dtype,
-        # vLLM's CPU sampler cannot rewind a seeded generator over a split prefill (see
-        # trainers.engines.requests.VLLMRequestEngine): CPU servers sample unseeded
-        seeded=torch.cuda.is_available(),
-    )
-    addresses = server_addresses(r.servers)
-    if addresses:
-        eng = ServerRolloutEngine(addresses, model_path=model_path, **kw)
-        eng.update_weights(model.named_parameters(), version=0)
-    else:
-        eng = ServerRolloutEngine.launch(
-            model_path,
-            num_servers=r.num_servers,
-            run_dir=run,
-            startup_timeout_s=r.server_startup_timeout_s,
-            server_kw=dict(
-                max_model_len=r.max_model_len,
-                seed=cfg.seed,
-                kv_cache_gib=r.server_kv_cache_gib,
-                tensor_parallel_size=r.tensor_parallel_size,
-            ),
-            **kw,
-        )
-    eng.model_dir = tmp  # removed with the engine
-    return eng
+    """The ``rollout.engine`` engine over ``model`` (used as is: pass a copy), built by the builder
+    its line in :data:`trainers.config.ROLLOUT_ENGINES` names (``hf``:
+    :func:`~trainers.engines.hf_rollout.build_hf_rollout`, ``vllm``:
+    :func:`~trainers.engines.vllm_rollout.build_vllm_rollout`, ``server``:
+    :func:`~trainers.engines.server_rollout.build_server_rollout`)."""
+    return engine_builder(ROLLOUT_ENGINES, cfg.rollout.engine)(cfg, model, tokenizer, device=device)
 
 
 def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy") -> TrainEngine:
@@ -303,52 +153,22 @@ def make_train_engine(cfg: Any, model: Any, *, device: str, task: str = "policy"
             rank=t.lora_rank,
             alpha=t.lora_alpha or None,
             dropout=t.lora_dropout,
-            target_modules=_lora_targets(cfg),
+            target_modules=lora_targets(cfg),
             seed=cfg.seed,
             value_head="score" if task == "value" else None,
         )
-    kw = dict(
+    common = dict(
         lr=t.lr,
         weight_decay=t.weight_decay,
         grad_clip=t.grad_clip,
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lam),
         dtype=dtype,
-        device=device,
+        logprob_chunk_tokens=t.logprob_chunk_tokens,
+        packing=bool(t.packing),
+        compile_backend=t.compile_backend if t.compile else None,
+        fused_optimizer=bool(t.fused_optimizer),
     )
-    kw["logprob_chunk_tokens"] = t.logprob_chunk_tokens
-    kw["packing"] = bool(t.packing)
-    kw["compile_backend"] = t.compile_backend if t.compile else None
-    kw["fused_optimizer"] = bool(t.fused_optimizer)
-    ckpt = bool(t.gradient_checkpointing)  # train.gradient_checkpointing, every engine
-    if t.engine == "torch":
-        master = bool(t.master_weights) and dtype in (torch.bfloat16, torch.float16)
-        autocast = train_autocast(cfg, device)
-        eng: Any = TorchTrainEngine(
-            model, autocast=autocast, master_weights=master, gradient_checkpointing=ckpt, **kw
-        )
-        eng.lora_export = _lora_export(cfg)
-        return eng
-    if t.engine == "deepspeed":
-        train_autocast(cfg, device)  # rejects an explicit autocast
-        eng = DeepSpeedTrainEngine(model, zero_stage=t.zero_stage, gradient_checkpointing=ckpt, **kw)
-        eng.lora_export = _lora_export(cfg)
-        return eng
-    if t.engine == "fsdp2":
-        train_autocast(cfg, device)  # rejects an explicit autocast (FSDP2 has mixed_precision)
-        return FSDP2TrainEngine(
-            model, gradient_checkpointing=ckpt, cpu_offload=bool(t.fsdp2_cpu_offload), **kw
-        )
-    if t.engine == "megatron":
-        return MegatronTrainEngine(
-            model,
-            tp=t.megatron_tp,
-            pp=t.megatron_pp,
-            autocast=train_autocast(cfg, device),
-            gradient_checkpointing=bool(t.gradient_checkpointing),
-            seed=cfg.seed,
-            **{k: v for k, v in kw.items() if k not in ("packing", "compile_backend")},
-        )
-    raise ValueError(f"train.engine must be one of {TRAIN_ENGINES}, got {t.engine!r}")
+    return engine_builder(TRAIN_ENGINES, t.engine)(cfg, model, device=device, **common)
 
 
 def build_engines(

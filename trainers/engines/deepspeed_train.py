@@ -32,6 +32,7 @@ from trainers.deps import require
 from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.engines.offload import Offloadable, reachable_tensors, resident, state_tensors
+from trainers.engines.options import lora_export, train_autocast
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -650,3 +651,19 @@ class DeepSpeedTrainEngine(Offloadable):
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
         if callable(refresh):  # the fp32 master weights (ZeRO partitions, mixed precision) follow
             refresh()
+
+
+def build_deepspeed_train(cfg: Any, model: Any, *, device: str, **common: Any) -> DeepSpeedTrainEngine:
+    """``train.engine=deepspeed`` (ZeRO ``train.zero_stage``) over ``model`` with the settings every
+    engine takes (``common``); an explicit ``train.autocast`` is refused (DeepSpeed's own bf16 mode)."""
+    train_autocast(cfg, device)  # rejects an explicit autocast
+    t = cfg.train
+    eng = DeepSpeedTrainEngine(
+        model,
+        zero_stage=t.zero_stage,
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+        device=device,
+        **common,
+    )
+    eng.lora_export = lora_export(cfg)
+    return eng

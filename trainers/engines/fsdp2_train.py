@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.offload import Offloadable, resident, state_tensors
+from trainers.engines.options import train_autocast
 from trainers.engines.torch_train import response_logprobs
 from trainers.models import save_model
 
@@ -466,3 +467,17 @@ def _cpu_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
         return type(obj)(_cpu_copy(v) for v in obj)
     return obj
+
+
+def build_fsdp2_train(cfg: Any, model: Any, *, device: str, **common: Any) -> FSDP2TrainEngine:
+    """``train.engine=fsdp2`` over ``model`` with the settings every engine takes (``common``) and
+    ``train.fsdp2_cpu_offload``; an explicit ``train.autocast`` is refused (FSDP2 has mixed_precision)."""
+    train_autocast(cfg, device)  # rejects an explicit autocast
+    t = cfg.train
+    return FSDP2TrainEngine(
+        model,
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+        cpu_offload=bool(t.fsdp2_cpu_offload),
+        device=device,
+        **common,
+    )

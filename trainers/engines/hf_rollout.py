@@ -37,6 +37,7 @@ from torch import Tensor
 
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
+from trainers.engines.options import rollout_dtype
 from trainers.vision import collate, image_inputs, to_device, vision_token_ids
 from trainers.vision import position_ids as vision_position_ids
 
@@ -408,3 +409,16 @@ class HFRolloutEngine:
     @property
     def is_sleeping(self) -> bool:
         return self._sleep_level > 0
+
+
+def build_hf_rollout(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> HFRolloutEngine:
+    """``rollout.engine=hf``: the transformers sampling loop over ``model`` (used as is), with the
+    config's rollout dtype and batch size (:data:`trainers.config.ROLLOUT_ENGINES`)."""
+    r = cfg.rollout
+    if r.tensor_parallel_size != 1:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the hf engine runs on one device"
+        )
+    return HFRolloutEngine(
+        model, tokenizer, device=device, dtype=rollout_dtype(cfg, device), max_batch_size=r.max_batch_size
+    )

@@ -52,6 +52,7 @@ from trainers.engines.megatron_cpu import install as install_cpu_shims
 from trainers.engines.megatron_cpu import seed_model_parallel_rng
 from trainers.engines.megatron_weights import Layout, is_sharded, layout_of, pairs, to_hf, to_megatron
 from trainers.engines.offload import Offloadable, resident, state_tensors
+from trainers.engines.options import train_autocast
 from trainers.engines.torch_train import response_logprobs, used_response_width
 from trainers.models import save_model
 
@@ -564,3 +565,19 @@ class MegatronTrainEngine(Offloadable):
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.global_step = int(state.get("global_step", 0))
+
+
+def build_megatron_train(cfg: Any, model: Any, *, device: str, **common: Any) -> MegatronTrainEngine:
+    """``train.engine=megatron`` (``train.megatron_tp`` x ``megatron_pp``) over ``model`` with the
+    settings every engine takes (``common``; packing and torch.compile are not Megatron's)."""
+    t = cfg.train
+    return MegatronTrainEngine(
+        model,
+        tp=t.megatron_tp,
+        pp=t.megatron_pp,
+        autocast=train_autocast(cfg, device),
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+        seed=cfg.seed,
+        device=device,
+        **{k: v for k, v in common.items() if k not in ("packing", "compile_backend")},
+    )

@@ -30,11 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainers.config import server_addresses
 from trainers.engines.base import Generation, SamplingParams, prompt_seed
+from trainers.engines.options import dtype_name, rollout_dtype
 from trainers.engines.requests import Request, _check_new
 from trainers.engines.server_pool import ServerPool
 from trainers.engines.vllm_rollout import _check_cpu_head_size, _checkpoint_shapes
 from trainers.engines.vllm_server import LocalServer, ServerClient, ServerError, launch_servers, stop_servers
+from trainers.models import save_model
 from trainers.vision import image_inputs
 
 __all__ = ["ServerRolloutEngine", "reload_weights_on", "weights_to_send"]
@@ -590,3 +593,51 @@ class ServerRolloutEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def build_server_rollout(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> ServerRolloutEngine:
+    """``rollout.engine=server``: a :class:`~trainers.engines.server_rollout.ServerRolloutEngine`
+    over ``rollout.servers`` (which then get ``model``'s weights, version 0) or over
+    ``rollout.num_servers`` local ``vllm serve`` processes of ``model``. The model, the server
+    logs and the weight files live in ``rollout.server_dir`` (``""``: a temporary directory that
+    lives as long as the engine, ``engine.model_dir``)."""
+    r = cfg.rollout
+    tmp = None
+    if r.server_dir:
+        run = Path(r.server_dir)
+        run.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="rollkit-servers-")
+        run = Path(tmp.name)
+    model_path = save_model(model, tokenizer, run / "model")
+    dtype = dtype_name(rollout_dtype(cfg, device))
+    kw = dict(
+        tokenizer=tokenizer,
+        timeout_s=r.server_timeout_s,
+        request_timeout_s=r.server_request_timeout_s,
+        weights_dir=run / "weights",
+        dtype=dtype,
+        # vLLM's CPU sampler cannot rewind a seeded generator over a split prefill (see
+        # trainers.engines.requests.VLLMRequestEngine): CPU servers sample unseeded
+        seeded=torch.cuda.is_available(),
+    )
+    addresses = server_addresses(r.servers)
+    if addresses:
+        eng = ServerRolloutEngine(addresses, model_path=model_path, **kw)
+        eng.update_weights(model.named_parameters(), version=0)
+    else:
+        eng = ServerRolloutEngine.launch(
+            model_path,
+            num_servers=r.num_servers,
+            run_dir=run,
+            startup_timeout_s=r.server_startup_timeout_s,
+            server_kw=dict(
+                max_model_len=r.max_model_len,
+                seed=cfg.seed,
+                kv_cache_gib=r.server_kv_cache_gib,
+                tensor_parallel_size=r.tensor_parallel_size,
+            ),
+            **kw,
+        )
+    eng.model_dir = tmp  # removed with the engine
+    return eng

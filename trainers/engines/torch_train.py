@@ -40,6 +40,7 @@ from trainers.engines.base import position_ids_from_mask
 from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.engines.offload import Offloadable, resident, state_tensors
+from trainers.engines.options import lora_export, train_autocast
 from trainers.engines.packed import PackedCall, packed_call, scatter_response
 from trainers.engines.precision import MasterWeights
 from trainers.models import save_model
@@ -695,3 +696,20 @@ class TorchTrainEngine(Offloadable):
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.global_step = int(state.get("global_step", 0))
+
+
+def build_torch_train(cfg: Any, model: Any, *, device: str, **common: Any) -> TorchTrainEngine:
+    """``train.engine=torch`` over ``model`` with the settings every engine takes (``common``:
+    :func:`trainers.engines.build.make_train_engine`), the config's autocast, float32 master
+    weights (``train.master_weights`` over a 16-bit model) and activation checkpointing."""
+    t, dtype = cfg.train, common["dtype"]
+    eng = TorchTrainEngine(
+        model,
+        autocast=train_autocast(cfg, device),
+        master_weights=bool(t.master_weights) and dtype in (torch.bfloat16, torch.float16),
+        gradient_checkpointing=bool(t.gradient_checkpointing),
+        device=device,
+        **common,
+    )
+    eng.lora_export = lora_export(cfg)
+    return eng

@@ -31,6 +31,8 @@ from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, prompt_seed
 from trainers.engines.guard import child_pids, watch
 from trainers.engines.lora import ADAPTER_NAME, write_adapter
+from trainers.engines.options import dtype_name, rollout_dtype, rollout_lora
+from trainers.models import save_model
 from trainers.vision import image_inputs, vision_token_ids
 
 __all__ = ["VLLMRolloutEngine"]
@@ -611,3 +613,23 @@ class VLLMRolloutEngine:
             core = getattr(engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
+
+
+def build_vllm_rollout(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> VLLMRolloutEngine:
+    """``rollout.engine=vllm``: vLLM in this process. vLLM loads from a directory: the model and
+    tokenizer are saved to a private temporary directory first, which lives as long as the engine
+    (``engine.model_dir``)."""
+    r = cfg.rollout
+    tmp = tempfile.TemporaryDirectory(prefix="rollkit-vllm-")
+    save_model(model, tokenizer, tmp.name)
+    eng = VLLMRolloutEngine(
+        tmp.name,
+        dtype=dtype_name(rollout_dtype(cfg, device)),
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_model_len=r.max_model_len,
+        seed=cfg.seed,
+        lora=rollout_lora(cfg),
+        tensor_parallel_size=r.tensor_parallel_size,
+    )
+    eng.model_dir = tmp  # removed with the engine
+    return eng
