@@ -11,21 +11,45 @@ talk only to these; ``Roles.close()`` stops what was started here. docs/distribu
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from trainers.config import Config, critic_needed
+from trainers.config import Config, DistillConfig, critic_needed
 from trainers.critic import build_critic
 from trainers.data import Prompt
-from trainers.engines.build import build_engines, frozen_reference, parse_dtype
+from trainers.engines.build import build_engines, build_model, frozen_reference, parse_dtype
+from trainers.engines.requests import RequestEnginePool, as_request_engine
 from trainers.engines.server_rollout import ServerRolloutEngine
-from trainers.learner import Learner, learner_for
-from trainers.ray import build_ray_roles
+from trainers.learner import Learner, learner_for, supervised_warmup
+from trainers.models import is_hub_id
+from trainers.ray import (
+    RayRequestEngine,
+    RayRolloutGroup,
+    RayTeacher,
+    build_ray_roles,
+    build_ray_teacher,
+    teacher_engine,
+)
 from trainers.rewards import RewardPool, get_verifier
 from trainers.rewards.routing import domain_verifiers
 
-__all__ = ["AnswerReward", "Roles", "build_roles", "build_verifier", "close_all", "reward_pool"]
+__all__ = [
+    "AnswerReward",
+    "Roles",
+    "build_roles",
+    "build_teacher",
+    "build_verifier",
+    "close_all",
+    "is_ray_teacher",
+    "on_ray",
+    "ray_request_engines",
+    "request_view",
+    "reward_pool",
+    "teacher_config",
+]
 
 #: the reward pool's failure counters reported every step
 REWARD_FAILURES = ("errors", "timeouts", "crashes", "retries", "crash_failures")
@@ -289,3 +313,137 @@ def build_roles(
         roles.close()
         raise
     return roles
+
+
+def on_ray(rollout: Any) -> bool:
+    """Whether the rollout role is a group of Ray rollout actors (:class:`~trainers.ray.RayRolloutGroup`)."""
+    return isinstance(rollout, RayRolloutGroup)
+
+
+def ray_request_engines(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -> list[Any]:
+    """One :class:`~trainers.ray.RayRequestEngine` per actor of a Ray rollout group (actor ``k``
+    seeded ``seed + k``, named ``rollout actor k``, the deadline ``ray.timeout_s``; with
+    ``renew`` every actor builds its request engine again, as a tail-batching round asks)."""
+    return [
+        RayRequestEngine(
+            a,
+            chunk_tokens=cfg.rollout.chunk_tokens,
+            seed=seed + k,
+            timeout_s=cfg.ray.timeout_s,
+            name=f"rollout actor {k}",
+            renew=renew,
+        )
+        for k, a in enumerate(rollout.actors)
+    ]
+
+
+def request_view(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -> Any:
+    """The request-level view of the rollout role: over a Ray rollout group, a
+    :class:`~trainers.engines.requests.RequestEnginePool` of :func:`ray_request_engines`;
+    otherwise :func:`~trainers.engines.requests.as_request_engine` (``renew`` changes nothing:
+    the view is made here)."""
+    if on_ray(rollout):
+        return RequestEnginePool(ray_request_engines(rollout, cfg, seed, renew=renew))
+    return as_request_engine(rollout, chunk_tokens=cfg.rollout.chunk_tokens, seed=seed)
+
+
+# --------------------------------------------------------------------------- the teacher role
+
+
+def is_ray_teacher(teacher: Any) -> bool:
+    """Whether ``teacher`` is a Ray actor's handle (:class:`~trainers.ray.RayTeacher`: close it)."""
+    return isinstance(teacher, RayTeacher)
+
+
+def _check_vocab(teacher_vocab: dict[str, int] | None, tokenizer: Any, where: str) -> None:
+    get_s = getattr(tokenizer, "get_vocab", None)
+    if teacher_vocab is not None and callable(get_s) and teacher_vocab != get_s():
+        raise ValueError(
+            f"distill.teacher: {where}'s tokenizer differs from the student's (the teacher scores the "
+            "student's token ids: use a teacher of the same tokenizer)"
+        )
+
+
+def _vocab(tok: Any) -> dict[str, int] | None:
+    get = getattr(tok, "get_vocab", None)
+    return get() if callable(get) else None
+
+
+def teacher_config(cfg: DistillConfig) -> DistillConfig:
+    """A copy of ``cfg`` whose ``model`` section is the teacher's (``distill.teacher``,
+    ``distill.teacher_tiny_seed``, ``distill.teacher_dtype`` or ``model.dtype``)."""
+    d, tcfg = cfg.distill, copy.deepcopy(cfg)
+    tcfg.model.path, tcfg.model.tiny_seed = d.teacher, d.teacher_tiny_seed
+    tcfg.model.dtype = d.teacher_dtype or cfg.model.dtype
+    return tcfg
+
+
+def _load_teacher(tcfg: DistillConfig, tokenizer: Any) -> Any:
+    """The teacher model of ``tcfg.model``, its tokenizer checked against the student's."""
+    where = tcfg.model.path or "the embedded default"
+    try:
+        teacher, teacher_tok = build_model(tcfg)
+    except ValueError as e:
+        raise ValueError(f"distill.teacher: {e}") from None
+    _check_vocab(_vocab(teacher_tok), tokenizer, where)
+    return teacher
+
+
+def build_teacher(cfg: DistillConfig, tokenizer: Any, prompts: list[Prompt], teacher: Any = None) -> Any:
+    """The frozen teacher engine: ``teacher`` as given when it has ``logprobs`` /
+    ``batch_logprobs``; else a :class:`~trainers.engines.torch_train.TorchTrainEngine` over
+    ``teacher`` (a model) or over ``distill.teacher`` loaded with :func:`build_model`, warmed up
+    with ``distill.teacher_warmup_steps`` supervised steps on ``prompts``, then frozen.
+
+    ``distill.teacher_placement="ray"``: the same engine in a Ray actor, behind a
+    :class:`~trainers.ray.RayTeacher` (close it when done; :class:`DistillTrainer` does). The
+    actor loads ``distill.teacher`` itself, unless a model is given or warmed up here first
+    (then it is shipped through the object store).
+    """
+    if teacher is not None and (hasattr(teacher, "logprobs") or hasattr(teacher, "batch_logprobs")):
+        return teacher
+    d, tcfg = cfg.distill, teacher_config(cfg)
+    if d.teacher_placement == "ray" and teacher is None and not d.teacher_warmup_steps:
+        return _ray_teacher(tcfg, tokenizer)
+    if teacher is None:
+        teacher = _load_teacher(tcfg, tokenizer)
+    dev = cfg.train.device
+    eng = teacher_engine(tcfg, teacher, dev, chunk_tokens=d.teacher_chunk_tokens, lr=d.teacher_warmup_lr)
+    if d.teacher_warmup_steps:
+        supervised_warmup(
+            eng,
+            tokenizer,
+            prompts,
+            steps=d.teacher_warmup_steps,
+            batch_size=32,
+            seed=cfg.seed + 1,
+            chat_template=cfg.data.chat_template,
+        )
+    eng.model.eval().requires_grad_(False)  # frozen in place (no second copy of a large teacher)
+    if d.teacher_placement == "ray":
+        return _ray_teacher(tcfg, tokenizer, model=eng.model.cpu())
+    return eng
+
+
+def _ray_teacher(tcfg: DistillConfig, tokenizer: Any, model: Any = None) -> RayTeacher:
+    """The teacher in a Ray actor: ``model`` shipped, or ``tcfg.model`` loaded by the actor
+    (its path checked here first, for a one-line error)."""
+    d, path = tcfg.distill, tcfg.model.path
+    if model is None and path not in ("", "tiny") and not Path(path).exists() and not is_hub_id(path):
+        raise ValueError(
+            f"distill.teacher: model.path: {path} does not exist (give a local HF checkpoint directory or a hub name)"
+        )
+    rt = build_ray_teacher(
+        tcfg,
+        model=model,
+        tokenizer=tokenizer if model is not None else None,
+        chunk_tokens=d.teacher_chunk_tokens,
+        cpus=d.teacher_cpus,
+        gpus=d.teacher_gpus,
+    )
+    try:
+        _check_vocab(rt.vocab(), tokenizer, path or "the embedded default")
+    except BaseException:
+        rt.close()
+        raise
+    return rt

@@ -29,7 +29,7 @@ from rollkit.registry import POLICY_LOSSES
 from trainers.config import Config, validate, validate_async
 from trainers.data import Prompt
 from trainers.engines.requests import RequestEngine, as_request_engine
-from trainers.loops.collect import Group, ray_request_engines
+from trainers.loops.collect import Group
 from trainers.loops.common import (
     Timer,
     loop_state,
@@ -42,7 +42,7 @@ from trainers.loops.common import (
 from trainers.loops.evaluation import held_out_metrics
 from trainers.loops.parts import attach, build_parts
 from trainers.loops.queue import GroupFactory, QueueScheduler
-from trainers.roles import Roles, close_all
+from trainers.roles import Roles, close_all, on_ray, ray_request_engines
 
 __all__ = ["AsyncTrainer"]
 
@@ -75,7 +75,7 @@ def request_engines(
     the rollout engine (``first``, its request-level view) plus ``asynchronous.num_engines - 1``
     copies of it (transformers engine only)."""
     ac, rollout = cfg.asynchronous, roles.rollout
-    if engines is None and hasattr(rollout, "actors"):  # Ray: every rollout actor
+    if engines is None and on_ray(rollout):  # Ray: every rollout actor
         return ray_request_engines(rollout, cfg, cfg.seed + 1)
     if engines is None:
         engines = [rollout]
@@ -150,7 +150,7 @@ class AsyncTrainer:
         # the rollout role's request-level view (its weights follow the rollout role's)
         self._own_view = (
             None
-            if hasattr(self.rollout, "actors")
+            if on_ray(self.rollout)
             else as_request_engine(self.rollout, chunk_tokens=cfg.rollout.chunk_tokens, seed=cfg.seed)
         )
         self.engines = request_engines(cfg, self.roles, engines, self._own_view)

@@ -33,8 +33,8 @@ from trainers.engines.base import Generation, SamplingParams, iter_generations
 from trainers.engines.requests import Request, RequestEnginePool, as_request_engine
 from trainers.loops.common import Codec, Timer
 from trainers.loops.lengths import LengthSampler
-from trainers.ray import RayRequestEngine
 from trainers.rewards import RewardPool
+from trainers.roles import on_ray, request_view
 
 __all__ = [
     "Group",
@@ -122,33 +122,6 @@ def _rollout_metrics(
     }
     metrics.update({f"accuracy/{src}": sum(rs) / len(rs) for src, rs in by_source.items()})
     return metrics
-
-
-def ray_request_engines(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -> list[Any]:
-    """One :class:`~trainers.ray.RayRequestEngine` per actor of a Ray rollout group (actor ``k``
-    seeded ``seed + k``, named ``rollout actor k``, the deadline ``ray.timeout_s``; with
-    ``renew`` every actor builds its request engine again, as a tail-batching round asks)."""
-    return [
-        RayRequestEngine(
-            a,
-            chunk_tokens=cfg.rollout.chunk_tokens,
-            seed=seed + k,
-            timeout_s=cfg.ray.timeout_s,
-            name=f"rollout actor {k}",
-            renew=renew,
-        )
-        for k, a in enumerate(rollout.actors)
-    ]
-
-
-def request_view(rollout: Any, cfg: Config, seed: int, *, renew: bool = False) -> Any:
-    """The request-level view of the rollout role: over a Ray rollout group (``actors``), a
-    :class:`~trainers.engines.requests.RequestEnginePool` of :func:`ray_request_engines`;
-    otherwise :func:`~trainers.engines.requests.as_request_engine` (``renew`` changes nothing:
-    the view is made here)."""
-    if hasattr(rollout, "actors"):
-        return RequestEnginePool(ray_request_engines(rollout, cfg, seed, renew=renew))
-    return as_request_engine(rollout, chunk_tokens=cfg.rollout.chunk_tokens, seed=seed)
 
 
 def accuracy_band_keep(cfg: Config, rewards: list[float], group_ids: torch.Tensor) -> torch.Tensor:
@@ -325,7 +298,7 @@ class TailCollector:
         maker: RequestMaker,
     ) -> None:
         try:
-            if not hasattr(rollout, "actors"):  # a Ray rollout group: its actors' request engines
+            if not on_ray(rollout):  # a Ray rollout group: its actors' request engines
                 as_request_engine(rollout)
         except TypeError:
             raise ValueError(

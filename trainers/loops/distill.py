@@ -10,7 +10,8 @@ the fit driver). Each step::
 
 The teacher runs in this process (``distill.teacher_placement="process"``) or in a Ray actor
 of its own (``"ray"``: :func:`trainers.ray.build_ray_teacher`, every call with the deadline
-``ray.timeout_s``), beside student roles in process or on Ray.
+``ray.timeout_s``), beside student roles in process or on Ray; :func:`trainers.roles.build_teacher`
+builds either.
 
 ``distill.mode="loss"`` (default): one optimizer step of :func:`rollkit.losses.on_policy_distill`
 (``A_t = coef * (log pi_teacher - log pi_student)``, the per-token reverse KL's score-function
@@ -24,7 +25,6 @@ configured policy loss through the learner's PPO update (also on Ray). Guides: `
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from collections import defaultdict
@@ -44,8 +44,6 @@ from trainers.config import (
 )
 from trainers.data import Prompt
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
-from trainers.engines.build import build_model
-from trainers.learner import supervised_warmup
 from trainers.loops.collect import Group, GroupCollector
 from trainers.loops.common import (
     Timer,
@@ -57,8 +55,7 @@ from trainers.loops.common import (
 )
 from trainers.loops.evaluation import greedy_accuracy
 from trainers.loops.parts import attach, build_parts
-from trainers.models import is_hub_id
-from trainers.ray import RayTeacher, build_ray_teacher, teacher_engine
+from trainers.roles import build_teacher, is_ray_teacher, teacher_config
 
 __all__ = [
     "DISTILL_MODES",
@@ -70,100 +67,6 @@ __all__ = [
     "teacher_config",
     "validate_distill",
 ]
-
-def _check_vocab(teacher_vocab: dict[str, int] | None, tokenizer: Any, where: str) -> None:
-    get_s = getattr(tokenizer, "get_vocab", None)
-    if teacher_vocab is not None and callable(get_s) and teacher_vocab != get_s():
-        raise ValueError(
-            f"distill.teacher: {where}'s tokenizer differs from the student's (the teacher scores the "
-            "student's token ids: use a teacher of the same tokenizer)"
-        )
-
-
-def _vocab(tok: Any) -> dict[str, int] | None:
-    get = getattr(tok, "get_vocab", None)
-    return get() if callable(get) else None
-
-
-def teacher_config(cfg: DistillConfig) -> DistillConfig:
-    """A copy of ``cfg`` whose ``model`` section is the teacher's (``distill.teacher``,
-    ``distill.teacher_tiny_seed``, ``distill.teacher_dtype`` or ``model.dtype``)."""
-    d, tcfg = cfg.distill, copy.deepcopy(cfg)
-    tcfg.model.path, tcfg.model.tiny_seed = d.teacher, d.teacher_tiny_seed
-    tcfg.model.dtype = d.teacher_dtype or cfg.model.dtype
-    return tcfg
-
-
-def _load_teacher(tcfg: DistillConfig, tokenizer: Any) -> Any:
-    """The teacher model of ``tcfg.model``, its tokenizer checked against the student's."""
-    where = tcfg.model.path or "the embedded default"
-    try:
-        teacher, teacher_tok = build_model(tcfg)
-    except ValueError as e:
-        raise ValueError(f"distill.teacher: {e}") from None
-    _check_vocab(_vocab(teacher_tok), tokenizer, where)
-    return teacher
-
-
-def build_teacher(cfg: DistillConfig, tokenizer: Any, prompts: list[Prompt], teacher: Any = None) -> Any:
-    """The frozen teacher engine: ``teacher`` as given when it has ``logprobs`` /
-    ``batch_logprobs``; else a :class:`~trainers.engines.torch_train.TorchTrainEngine` over
-    ``teacher`` (a model) or over ``distill.teacher`` loaded with :func:`build_model`, warmed up
-    with ``distill.teacher_warmup_steps`` supervised steps on ``prompts``, then frozen.
-
-    ``distill.teacher_placement="ray"``: the same engine in a Ray actor, behind a
-    :class:`~trainers.ray.RayTeacher` (close it when done; :class:`DistillTrainer` does). The
-    actor loads ``distill.teacher`` itself, unless a model is given or warmed up here first
-    (then it is shipped through the object store).
-    """
-    if teacher is not None and (hasattr(teacher, "logprobs") or hasattr(teacher, "batch_logprobs")):
-        return teacher
-    d, tcfg = cfg.distill, teacher_config(cfg)
-    if d.teacher_placement == "ray" and teacher is None and not d.teacher_warmup_steps:
-        return _ray_teacher(tcfg, tokenizer)
-    if teacher is None:
-        teacher = _load_teacher(tcfg, tokenizer)
-    dev = cfg.train.device
-    eng = teacher_engine(tcfg, teacher, dev, chunk_tokens=d.teacher_chunk_tokens, lr=d.teacher_warmup_lr)
-    if d.teacher_warmup_steps:
-        supervised_warmup(
-            eng,
-            tokenizer,
-            prompts,
-            steps=d.teacher_warmup_steps,
-            batch_size=32,
-            seed=cfg.seed + 1,
-            chat_template=cfg.data.chat_template,
-        )
-    eng.model.eval().requires_grad_(False)  # frozen in place (no second copy of a large teacher)
-    if d.teacher_placement == "ray":
-        return _ray_teacher(tcfg, tokenizer, model=eng.model.cpu())
-    return eng
-
-
-def _ray_teacher(tcfg: DistillConfig, tokenizer: Any, model: Any = None) -> RayTeacher:
-    """The teacher in a Ray actor: ``model`` shipped, or ``tcfg.model`` loaded by the actor
-    (its path checked here first, for a one-line error)."""
-    d, path = tcfg.distill, tcfg.model.path
-    if model is None and path not in ("", "tiny") and not Path(path).exists() and not is_hub_id(path):
-        raise ValueError(
-            f"distill.teacher: model.path: {path} does not exist (give a local HF checkpoint directory or a hub name)"
-        )
-    rt = build_ray_teacher(
-        tcfg,
-        model=model,
-        tokenizer=tokenizer if model is not None else None,
-        chunk_tokens=d.teacher_chunk_tokens,
-        cpus=d.teacher_cpus,
-        gpus=d.teacher_gpus,
-    )
-    try:
-        _check_vocab(rt.vocab(), tokenizer, path or "the embedded default")
-    except BaseException:
-        rt.close()
-        raise
-    return rt
-
 
 class DistillTrainer:
     """On-policy distillation of ``cfg.model`` (the student) from ``distill.teacher``.
@@ -215,7 +118,7 @@ class DistillTrainer:
                 cfg, self.rollout, self.rewards, self.codec, self.iterator, self.maker
             )
             self.teacher = build_teacher(cfg, self.tok, self.train_prompts, teacher)
-            if isinstance(self.teacher, RayTeacher) and self.teacher is not teacher:
+            if is_ray_teacher(self.teacher) and self.teacher is not teacher:
                 self.roles.owned.append(self.teacher)  # stopped with the roles
         except BaseException:
             self.roles.close()
