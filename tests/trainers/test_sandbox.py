@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 
 import pytest
@@ -72,6 +73,29 @@ def test_cpu_limit_sigxcpu(iso):
     r = run_python("while True:\n    pass", timeout_s=300, cpu_s=1, isolation=iso)
     assert r.status == "killed"
     assert any("SIGXCPU" in n for n in r.notes), r.notes
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_cpu_limit_death_past_the_deadline_is_the_timeout(iso, monkeypatch, late):
+    """A busy loop reaches RLIMIT_CPU (soft = ceil(timeout_s)) only after its wall-clock limit, so
+    it dies of the CPU limit only when this process was late to kill it (a loaded machine): that
+    run overran its wall-clock budget and is reported as the timeout. Simulated: the program ends
+    itself with SIGXCPU at once, and the wait for it returns past the deadline (``late``)."""
+    real = sandbox._communicate
+
+    def slow(proc, data, deadline, cap):
+        out = real(proc, data, deadline, cap)
+        while late and time.perf_counter() < deadline + 0.05:
+            time.sleep(0.05)
+        return out
+
+    monkeypatch.setattr(sandbox, "_communicate", slow)
+    code = "import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)"
+    r = run_python(code, timeout_s=1.0, isolation=iso)
+    if late:
+        assert r.status == "timeout" and any("wall-clock timeout after 1 s" in n for n in r.notes), r.notes
+    else:
+        assert r.status == "killed" and any("SIGXCPU" in n for n in r.notes), r.notes
 
 
 def test_memory_limit(iso):

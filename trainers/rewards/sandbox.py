@@ -589,15 +589,25 @@ def _spawn(
     return proc, tmp
 
 
+def _signal_of(rc: int | None, use: str) -> int | None:
+    """The signal that ended the program (bwrap reports one as ``128 + signal``), or None."""
+    if use == "bwrap" and rc is not None and rc > 128 and rc - 128 in _SIGNALS:
+        return rc - 128
+    return -rc if rc is not None and rc < 0 else None
+
+
+def _cpu_limit_death(rc: int | None, use: str) -> bool:
+    """Whether the program ended by ``RLIMIT_CPU``'s signals (``SIGXCPU``, then ``SIGKILL``)."""
+    return _signal_of(rc, use) in (signal.SIGXCPU, signal.SIGKILL)
+
+
 def _status(rc: int | None, why: str, use: str, lim: _Limits) -> tuple[str, list[str]]:
     """``(status, notes)`` of a finished run (:class:`RunResult`)."""
     if why == "timeout":
         return "timeout", [f"wall-clock timeout after {lim.timeout_s:g} s: killed"]
     if why == "output_limit":
         return "output_limit", [f"output over {lim.max_output_bytes} bytes: killed"]
-    sig = -rc if rc is not None and rc < 0 else None
-    if use == "bwrap" and rc is not None and rc > 128 and rc - 128 in _SIGNALS:
-        sig = rc - 128  # bwrap reports a signal death of the program as 128 + signal
+    sig = _signal_of(rc, use)
     if sig is not None:
         return "killed", [f"killed by {_signame(sig)}{_SIGNALS.get(sig, '')}"]
     return ("ok" if rc == 0 else "error"), []
@@ -666,6 +676,11 @@ def run_python(
     try:
         try:
             out, err, why = _communicate(proc, stdin.encode(), t0 + lim.timeout_s, int(lim.max_output_bytes))
+            if why == "exit" and time.perf_counter() - t0 >= lim.timeout_s and _cpu_limit_death(proc.returncode, use):
+                # past the wall-clock limit, the CPU limit ended it first (this process was late to
+                # kill it, e.g. on a loaded machine): a single-threaded program cannot spend more CPU
+                # than wall time, so it overran its wall-clock budget -- report the timeout it is
+                why = "timeout"
         finally:
             _cleanup(proc, uid, run_id)
         wall = time.perf_counter() - t0
