@@ -90,6 +90,10 @@ def test_help_lists_every_field(capsys):
         "int | None",
     ):
         assert line in text
+    lines = {ln.split()[0]: ln.split()[1] for ln in text.splitlines() if ln.strip()}
+    assert lines["rollout.engine"] == "{hf,vllm,server}"  # the engine table's names
+    assert lines["train.engine"] == "{torch,deepspeed,fsdp2,megatron}"
+    assert lines["critic.engine"] == "{'',torch,deepspeed,fsdp2,megatron}"
     with pytest.raises(SystemExit):
         load_config(["--help"])
     assert "algorithm.advantage" in capsys.readouterr().out

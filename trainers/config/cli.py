@@ -224,7 +224,11 @@ def _help_rows(obj: Any, prefix: str = "") -> list[tuple[str, str, str, str]]:
             rows.extend(_help_rows(value, f"{prefix}{f.name}."))
         else:
             name = f"{prefix}{f.name}"
-            rows.append((name, type_name(tp), repr(value), FIELD_HELP.get(name, "")))
+            rule = f.metadata.get("rule")
+            reg = getattr(rule, "registry", None)
+            # a registry field shows the names it accepts (the engines; the registered primitives)
+            kind = "{" + ",".join(reg.names()) + "}" if reg is not None and len(reg.names()) <= 8 else type_name(tp)
+            rows.append((name, kind, repr(value), FIELD_HELP.get(name, "")))
     return rows
 
 
