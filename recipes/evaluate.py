@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         validate(cfg)
         if ROLLOUT_ENGINES[cfg.rollout.engine].remote or cfg.ray.enabled:
-            local = " or ".join(n for n in ROLLOUT_ENGINES if not ROLLOUT_ENGINES[n].remote)
+            local = ROLLOUT_ENGINES.having(lambda s: not s.remote)
             raise ValueError(f"rollout.engine={cfg.rollout.engine!r}: the evaluation runs {local} in this process")
         _, held = run_prompts(cfg)
         if not held:

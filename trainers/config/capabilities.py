@@ -147,6 +147,10 @@ class EngineTable:
         value = getattr(self[name], capability)
         return bool(value(train) if callable(value) else value)
 
+    def having(self, keep: Callable[[Any], bool]) -> str:
+        """The names of the engines whose spec ``keep`` accepts, as ``"a or b"`` (for messages)."""
+        return " or ".join(n for n, s in self._specs.items() if keep(s)) or "none"
+
     def remove(self, name: str) -> Any:
         """Take engine ``name`` out (a test's or a notebook's own engine); returns its spec."""
         spec = self[name]

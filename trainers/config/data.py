@@ -174,14 +174,6 @@ def check_data(c: Any) -> None:
                 raise ValueError(f"{name} must be one of {', '.join(map(str, known))}, got {value!r}")
 
 
-def _with_images(torchvision: bool = True) -> str:
-    """The rollout engines that take images (without torchvision for a Qwen2-VL model: ``torchvision=False``)."""
-    specs = [ROLLOUT_ENGINES[n] for n in ROLLOUT_ENGINES]
-    return " or ".join(
-        s.name for s in specs if s.images and (torchvision or not s.qwen2_vl_needs_torchvision)
-    )
-
-
 def _qwen_vl(path: str) -> bool:
     """Whether ``model.path`` is a Qwen2-VL-family model (``tiny_vl`` or its config's model_type)."""
     return path == "tiny_vl" or str(checkpoint_config(path).get("model_type", "")).startswith("qwen2")
@@ -195,7 +187,7 @@ def check_vision(c: Any) -> None:
     rollout, train = ROLLOUT_ENGINES[c.rollout.engine], TRAIN_ENGINES[c.train.engine]
     refused = [
         (not rollout.images, f"rollout.engine={rollout.name}",
-         f"{rollout.notes.get('images', 'it takes no images')}; use rollout.engine={_with_images()}"),
+         f"{rollout.notes.get('images', 'it takes no images')}; use rollout.engine={ROLLOUT_ENGINES.having(lambda s: s.images)}"),
         (c.train.packing, "train.packing", "packed micro-batches do not carry image inputs yet"),
         (critic_needed(c), f"algorithm.advantage={c.algorithm.advantage}",
          "the critic's value forward does not take image inputs yet"),
@@ -203,7 +195,7 @@ def check_vision(c: Any) -> None:
          train.notes.get("lean_head_images", f"train.engine={train.name}'s lean head takes no image inputs")),
         (rollout.qwen2_vl_needs_torchvision and _qwen_vl(c.model.path) and importlib.util.find_spec("torchvision") is None,
          f"rollout.engine={rollout.name}", f"its Qwen2-VL model needs torchvision, which is not installed; use "
-         f"rollout.engine={_with_images(torchvision=False)}, or an Idefics3 / SmolVLM model (model.path=tiny_idefics3)"),
+         f"rollout.engine={ROLLOUT_ENGINES.having(lambda s: s.images and not s.qwen2_vl_needs_torchvision)}, or an Idefics3 / SmolVLM model (model.path=tiny_idefics3)"),
     ]  # fmt: skip
     for bad, field_, why in refused:
         if bad:

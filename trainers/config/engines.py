@@ -215,11 +215,6 @@ def check_model_path(path: str, name: str = "model.path") -> None:
         )
 
 
-def _names(table: EngineTable, capability: str) -> str:
-    """The engines of ``table`` with ``capability`` (a bool one), as ``a or b``."""
-    return " or ".join(n for n in table if table.supports(n, capability)) or "none"
-
-
 def refuse_unless(table: EngineTable, name: str, capability: str, field_: str, *, train: Any = None) -> None:
     """Raise ``ValueError`` naming ``field_`` where engine ``name`` lacks ``capability``."""
     if not table.supports(name, capability, train=train):
@@ -234,12 +229,12 @@ def check_rollout_engine(r: RolloutEngineConfig, engine: str) -> None:
     if r.servers and not spec.remote:
         raise ValueError(
             f"rollout.servers is set but rollout.engine={engine!r}: set rollout.engine="
-            f"{_names(ROLLOUT_ENGINES, 'remote')}"
+            f"{ROLLOUT_ENGINES.having(lambda s: s.remote)}"
         )
     if r.tensor_parallel_size > 1 and not spec.tensor_parallel:
         raise ValueError(
             f"rollout.tensor_parallel_size={r.tensor_parallel_size}: "
-            f"{spec.notes.get('tensor_parallel', f'rollout.engine={engine} runs on one device')}; use rollout.engine={_names(ROLLOUT_ENGINES, 'tensor_parallel')}, or tensor_parallel_size=1"
+            f"{spec.notes.get('tensor_parallel', f'rollout.engine={engine} runs on one device')}; use rollout.engine={ROLLOUT_ENGINES.having(lambda s: s.tensor_parallel)}, or tensor_parallel_size=1"
         )
 
 
@@ -282,7 +277,7 @@ def check_rlvr_rollout(cfg: Any) -> None:
         raise ValueError("rollout.lora_weights=adapter: needs a LoRA policy (train.lora_rank > 0)")
     if r.lora_weights == "adapter" and not ROLLOUT_ENGINES.supports(r.engine, "lora_adapter"):
         raise ValueError(
-            f"rollout.lora_weights=adapter: served unmerged by rollout.engine={_names(ROLLOUT_ENGINES, 'lora_adapter')}, "
+            f"rollout.lora_weights=adapter: served unmerged by rollout.engine={ROLLOUT_ENGINES.having(lambda s: s.lora_adapter)}, "
             f"not rollout.engine={r.engine!r}; use lora_weights=merged"
         )
     if r.lora_weights == "adapter" and cfg.placement.sleep_level == 2:
@@ -314,7 +309,7 @@ def _check_model_parallel(cfg: Any, critic_engine: str | None) -> None:
     if not spec.model_parallel:
         if n > 1:
             raise ValueError(
-                f"train.megatron_tp / megatron_pp: apply to train.engine={_names(TRAIN_ENGINES, 'model_parallel')}, "
+                f"train.megatron_tp / megatron_pp: apply to train.engine={TRAIN_ENGINES.having(lambda s: s.model_parallel)}, "
                 f"got {t.engine!r}"
             )
         return
@@ -326,7 +321,7 @@ def _check_model_parallel(cfg: Any, critic_engine: str | None) -> None:
         )
 
 
-def _check_autocast(t: TrainConfig) -> None:
+def check_autocast(t: TrainConfig) -> None:
     """An explicit ``train.autocast`` against the engine (any device, CUDA only, or its own mode)."""
     if t.autocast not in ("bfloat16", "float16"):
         return
@@ -335,7 +330,7 @@ def _check_autocast(t: TrainConfig) -> None:
     if spec.autocast == "none":
         raise ValueError(
             f"train.autocast={t.autocast} applies to train.engine="
-            f"{' or '.join(n for n in TRAIN_ENGINES if TRAIN_ENGINES[n].autocast != 'none')}; "
+            f"{TRAIN_ENGINES.having(lambda s: s.autocast != 'none')}; "
             f"with train.engine={t.engine} {note or 'set train.autocast=off'}"
         )
     if spec.autocast == "cuda" and not t.device.startswith("cuda"):
@@ -354,7 +349,7 @@ def check_train(cfg: Any, critic_engine: str | None = None) -> None:
         TRAIN_ENGINES.supports(e, "cpu_offload") for e in (t.engine, critic_engine) if e
     ):
         raise ValueError(
-            f"train.fsdp2_cpu_offload: FSDP2's CPUOffloadPolicy needs train.engine={_names(TRAIN_ENGINES, 'cpu_offload')}, "
+            f"train.fsdp2_cpu_offload: FSDP2's CPUOffloadPolicy needs train.engine={TRAIN_ENGINES.having(lambda s: s.cpu_offload)}, "
             f"got {t.engine!r} (DeepSpeed offloads through ds_config's offload_param / offload_optimizer)"
         )
     if t.logprob_chunk_tokens:
@@ -364,7 +359,7 @@ def check_train(cfg: Any, critic_engine: str | None = None) -> None:
         or cfg.model.dtype not in ("bfloat16", "float16")
     ):
         raise ValueError(
-            f"train.master_weights: needs train.engine={_names(TRAIN_ENGINES, 'master_weights')} and model.dtype="
+            f"train.master_weights: needs train.engine={TRAIN_ENGINES.having(lambda s: s.master_weights)} and model.dtype="
             "bfloat16 or float16 (DeepSpeed's bf16 mode and FSDP2's mixed_precision keep float32 masters themselves)"
         )
     if t.master_weights and t.autocast != "off":
@@ -380,5 +375,5 @@ def check_train(cfg: Any, critic_engine: str | None = None) -> None:
             refuse_unless(TRAIN_ENGINES, t.engine, capability, field_)
     if cfg.model.path in TINY_VLM_NAMES:
         refuse_unless(TRAIN_ENGINES, t.engine, "vision", f"model.path={cfg.model.path}")
-    _check_autocast(t)
+    check_autocast(t)
     check_model_path(cfg.model.path)

@@ -240,7 +240,7 @@ def validate_offline(cfg: OfflineConfig) -> None:
     check_fields(cfg)
     o, t = cfg.offline, cfg.train
     if o.loss == "rm" and not TRAIN_ENGINES.supports(t.engine, "reward_model"):
-        names = " or ".join(n for n in TRAIN_ENGINES if TRAIN_ENGINES.supports(n, "reward_model"))
+        names = TRAIN_ENGINES.having(lambda s: s.reward_model)
         raise ValueError(f"train.engine: offline.loss=rm trains with the {names} engine, got {t.engine!r}")
     if o.loss == "rm" and t.lora_rank:
         raise ValueError("train.lora_rank: offline.loss=rm trains every weight (set train.lora_rank=0)")

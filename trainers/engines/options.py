@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from trainers.config import TRAIN_ENGINES
+from trainers.config.engines import check_autocast
 from trainers.engines.lora import adapter_config
 
 __all__ = [
@@ -87,13 +88,7 @@ def train_autocast(cfg: Any, device: str) -> torch.dtype | None:
         return torch.bfloat16 if ok else None
     if a not in ("bfloat16", "float16"):
         raise ValueError(f"train.autocast must be off, auto, bfloat16 or float16, got {a!r}")
-    if where == "none":
-        spec = TRAIN_ENGINES[cfg.train.engine]
-        where_ok = " or ".join(n for n in TRAIN_ENGINES if TRAIN_ENGINES[n].autocast != "none")
-        raise ValueError(
-            f"train.autocast={a} applies to train.engine={where_ok}; with train.engine={cfg.train.engine} "
-            + spec.notes.get("autocast", "set train.autocast=off")
-        )
+    check_autocast(cfg.train)  # the config's rule, for a config never validated
     return DTYPES[a]
 
 
