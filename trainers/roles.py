@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainers.config import Config, DistillConfig, critic_needed
+from trainers.config import AgenticConfig, Config, DistillConfig, critic_needed
 from trainers.critic import build_critic
 from trainers.data import Prompt
 from trainers.engines.build import build_engines, build_model, frozen_reference, parse_dtype
@@ -76,13 +76,13 @@ class Roles:
     or the train state leaves the device while the rollout generates (``train_offload``).
     """
 
-    cfg: Config
+    cfg: Config | AgenticConfig
     rollout: Any
     train: Any
     learner: Learner
     tokenizer: Any
     reference: Any
-    rewards: RewardPool
+    rewards: RewardPool | None  # None: a run without a reward section (the agentic one: its environments score)
     verifier: Any
     reward_fn: Any = None
     critic: Any = None  # algorithm.advantage=gae / asyppo: the learned critic (trainers.critic.Critic)
@@ -139,13 +139,23 @@ class Roles:
         self.rollout.update_weights(self.learner.export_weights(), version=version)
         self.offload_train()
 
+    def freeze_reference(self) -> Any:
+        """The frozen copy of the policy's *current* weights as the reference, when
+        ``algorithm.kl.coef > 0`` and none was given or made (:func:`build_roles` with
+        ``reference_later=True``: a loop that warms the policy up first); returns the reference."""
+        if self.reference is None:
+            self.reference = _reference(self.cfg, self.train, None)
+        return self.reference
+
     def reward_metrics(self) -> dict[str, float]:
         """The reward pool's share since the previous call: ``time/reward_busy`` (seconds inside
         the verifier, summed over workers; above the wall-clock ``time/reward`` when workers score
         in parallel), ``reward/workers`` and ``reward/workers_hwm``, the run's failure counts
         (``reward/errors``, ``timeouts``, ``crashes``, ``retries``, ``crash_failures``); with an
         inline verifier that counts its own work (the LLM judge) its counters as ``judge/<name>``;
-        with ``data.domains``, ``domain/<name>/reward_busy_s`` per domain."""
+        with ``data.domains``, ``domain/<name>/reward_busy_s`` per domain. ``{}`` without a pool."""
+        if self.rewards is None:
+            return {}
         m = self.rewards.metrics()
         busy, self._reward_busy = m["busy_s"] - self._reward_busy, m["busy_s"]
         out = {
@@ -177,7 +187,8 @@ class Roles:
         """Stop the reward workers, the Ray actors / placement groups and the inference servers
         started here (engines passed in are the caller's), each whatever failed before.
         Idempotent."""
-        close_all([self.rewards.close, *[o.close for o in reversed(self.owned)]])
+        pool = [] if self.rewards is None else [self.rewards.close]
+        close_all([*pool, *[o.close for o in reversed(self.owned)]])
         self.owned.clear()
 
 
@@ -243,7 +254,7 @@ def reward_pool(cfg: Config, verifier: Any, reward_fn: Any = None) -> RewardPool
 
 
 def build_roles(
-    cfg: Config,
+    cfg: Config | AgenticConfig,
     *,
     rollout: Any = None,
     train: Any = None,
@@ -252,6 +263,8 @@ def build_roles(
     reward_fn: Any = None,
     reference: Any = None,
     critic: Any = None,
+    max_positions: int = 512,
+    reference_later: bool = False,
 ) -> Roles:
     """The roles of ``cfg`` (module docstring).
 
@@ -266,6 +279,13 @@ def build_roles(
             ``batch_logprobs`` method); default: a frozen copy of the initial policy.
         critic: the critic (a :class:`~trainers.critic.Critic`) when ``algorithm.advantage`` is
             ``gae`` or ``asyppo``; default: built from ``critic.*`` (a Ray actor on Ray).
+        max_positions: the tiny model's positions when it is built here (the agentic runs:
+            ``env.max_context``).
+        reference_later: in process, the frozen copy of the policy is made by
+            :meth:`Roles.freeze_reference` (after a warm-up), not here.
+
+    A run config without a ``reward`` section (:class:`~trainers.config.AgenticConfig`: its
+    environments score the episodes) gets no verifier and no reward pool.
     """
     owned: list[Any] = []
     ray_critic = None
@@ -281,15 +301,18 @@ def build_roles(
             reference = ray_roles.reference if reference is None else reference
             ray_critic = ray_roles.critic
         else:
-            rollout, train, tokenizer = build_engines(cfg, model=model, tokenizer=tokenizer)
+            rollout, train, tokenizer = build_engines(
+                cfg, model=model, tokenizer=tokenizer, max_positions=max_positions
+            )
             if isinstance(rollout, ServerRolloutEngine):
                 owned.append(rollout)  # its servers stop with the roles, not when it is collected
     if tokenizer is None:
         raise ValueError("tokenizer: required when the engines are passed in")
     try:
         critic = _critic(cfg, model, critic, ray_critic)
-        verifier = build_verifier(cfg)
-        rewards = reward_pool(cfg, verifier, reward_fn)
+        scored = hasattr(cfg, "reward")
+        verifier = build_verifier(cfg) if scored else None
+        rewards = reward_pool(cfg, verifier, reward_fn) if scored else None
     except BaseException:
         for o in owned:
             o.close()
@@ -300,7 +323,7 @@ def build_roles(
         train=train,
         learner=learner_for(train, cfg),
         tokenizer=tokenizer,
-        reference=_reference(cfg, train, reference),
+        reference=reference if reference_later and not cfg.ray.enabled else _reference(cfg, train, reference),
         rewards=rewards,
         verifier=verifier,
         reward_fn=reward_fn,

@@ -33,6 +33,7 @@ from trainers.loops import SyncTrainer
 from trainers.loops.lengths import LengthSampler
 from trainers.models import char_tokenizer, tiny_qwen2
 from trainers.ray import plan_bundles
+from trainers.roles import on_ray
 
 BASE = [
     "--model",
@@ -602,7 +603,8 @@ def test_agentic_on_ray_reproduces_the_in_process_episodes(cluster, tmp_path):
             m1, m2 = tr.step(), tr.step()
             runs[name] = (seen, m1, m2, tr.rollout.server.policy_version)
             if name == "ray":
-                assert tr._ray is not None and tr.reference is tr._ray.reference
+                # the shared roles: the rollout, train and reference roles are the Ray actors
+                assert on_ray(tr.roles.rollout) and type(tr.reference).__module__.startswith("trainers.ray")
     (local, l1, _, lv), (ray_, r1, r2, rv) = runs["local"], runs["ray"]
     actions = lambda batches: [[e.actions for e in b.episodes] for b in batches]  # noqa: E731
     assert actions(ray_[:1]) == actions(local[:1])

@@ -29,19 +29,18 @@ from rollkit.advantages import anchor_state_index
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.trajectory import TrajectoryBatch
 from trainers.config import AgenticConfig, critic_needed, validate_agentic
-from trainers.critic import build_critic
 from trainers.deps import require
 from trainers.engines.base import PackedBatch, SamplingParams, batch_logprobs
-from trainers.engines.build import build_engines, build_model, frozen_reference, parse_dtype
+from trainers.engines.build import build_engines, build_model, parse_dtype
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.envs.base import extract_boxed
 from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
-from trainers.learner import LocalLearner, UpdateSpec, apply_correction, needs_recompute, nll_loss, rollout_kl
+from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, rollout_kl
 from trainers.loops.common import make_tracker, progress_bar, read_checkpoint, write_checkpoint
 from trainers.loops.critic_step import CriticStep
-from trainers.ray import build_ray_roles
+from trainers.roles import build_roles
 
 __all__ = ["AgenticTrainer", "build_agentic_engines", "kl_to_reference", "plot_history"]
 
@@ -212,26 +211,29 @@ class AgenticTrainer:
         self.cfg = cfg
         _check_env(cfg)
         self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)
-        model, self._ray, self._prewarmed = None, None, False
-        if rollout_engine is None or train_engine is None:
-            if cfg.ray.enabled:  # the roles as Ray actors: built below, from this model
-                model, tokenizer = build_model(cfg, max_positions=max(512, cfg.env.max_context))
-            else:
-                rollout_engine, train_engine, tokenizer = build_agentic_engines(cfg)
-        if tokenizer is None:
-            raise ValueError("tokenizer: required when the engines are passed in")
-        self.train, self.tok = train_engine, tokenizer
-        self.reference, self._own_reference = reference, False
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._prewarmed = False
+        self._own_reference = reference is None and not cfg.ray.enabled
+        positions = max(512, cfg.env.max_context)  # the tiny model's positions, when built here
+        model = None
+        if cfg.ray.enabled and (rollout_engine is None or train_engine is None):
+            # the Ray actors start from this model, warmed up here (warmup.*, unless resuming)
+            model, tokenizer = build_model(cfg, max_positions=positions)
+            self._set_tokenizer(tokenizer)
+            if cfg.warmup.steps and not cfg.checkpoint.resume:
+                self._warmup_loss = self._warm(TorchTrainEngine(model, dtype=parse_dtype(cfg.model.dtype)))
+                self._prewarmed = True
+        # the shared roles; in process the frozen reference is made as RL starts (after the warm-up)
+        self.roles = build_roles(cfg, rollout=rollout_engine, train=train_engine, tokenizer=tokenizer, model=model,
+                                 reference=reference, critic=critic, max_positions=positions,
+                                 reference_later=True)  # fmt: skip
+        if model is None:
+            self._set_tokenizer(self.roles.tokenizer)
+        self.learner = self.roles.learner
+        self.learner.spec = self.spec  # logprob_gap: the same update (and metrics) in process and on Ray
+        self.train = None if cfg.ray.enabled else self.roles.train  # in process: the train engine
         e = cfg.env
-        template = None if e.chat_template == "auto" else e.chat_template == "on"
-        self.encoder = TurnEncoder(tokenizer, chat_template=template, system_prompt=e.system_prompt or None)
-        if model is not None:
-            rollout_engine = self._start_ray(model)
-        else:
-            self.learner: Any = LocalLearner(train_engine, self.spec)
         self.rollout = EpisodeRunner(
-            rollout_engine,
+            self.roles.rollout,
             self.encoder,
             e.name,
             e.kwargs,
@@ -247,8 +249,6 @@ class AgenticTrainer:
         )
         # the registry estimator; none with a critic (GAE over its values, CriticStep)
         self.adv_entry = None if critic_needed(cfg) else ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
-        # algorithm.advantage=gae / asyppo: the learned critic (critic.model_path, or cfg.model afresh)
-        self.critic = critic if critic is not None or not critic_needed(cfg) else build_critic(cfg)
         self.version = 0  # optimizer steps applied = the policy version the engine serves
         self._seeds = random.Random(cfg.seed)
         self._calls = 0
@@ -386,19 +386,27 @@ class AgenticTrainer:
         )
         return metrics
 
-    def _start_ray(self, model: Any) -> Any:
-        """``ray.enabled``: warm ``model`` up here (``warmup.*``, unless resuming), then start the
-        rollout, train and reference roles as Ray actors from it (:func:`trainers.ray.build_ray_roles`,
-        placed by ``placement``); returns the rollout group the runner plays with."""
-        cfg = self.cfg
-        if cfg.warmup.steps and not cfg.checkpoint.resume:
-            self._warmup_loss = self._warm(TorchTrainEngine(model, dtype=parse_dtype(cfg.model.dtype)))
-            self._prewarmed = True
-        self._ray = build_ray_roles(cfg, model=model, tokenizer=self.tok, reference=cfg.algorithm.kl.coef > 0)
-        self.learner = self._ray.train
-        self.learner.spec = self.spec  # logprob_gap: the same update (and metrics) as in process
-        self.reference = self.reference if self.reference is not None else self._ray.reference
-        return self._ray.rollout
+    def _set_tokenizer(self, tokenizer: Any) -> None:
+        """The tokenizer, its pad id and the turn encoder (``env.chat_template``, ``env.system_prompt``)."""
+        e = self.cfg.env
+        self.tok = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        template = None if e.chat_template == "auto" else e.chat_template == "on"
+        self.encoder = TurnEncoder(tokenizer, chat_template=template, system_prompt=e.system_prompt or None)
+
+    @property
+    def reference(self) -> Any:
+        """The frozen reference policy (``algorithm.kl.coef > 0``; made as RL starts), or None."""
+        return self.roles.reference
+
+    @reference.setter
+    def reference(self, value: Any) -> None:
+        self.roles.reference = value
+
+    @property
+    def critic(self) -> Any:
+        """The learned critic of ``algorithm.advantage`` gae / asyppo, or None."""
+        return self.roles.critic
 
     @property
     def per_turn(self) -> bool:
@@ -411,11 +419,14 @@ class AgenticTrainer:
             return result.to_turn_batch(budget=self.rollout.context_window, pad_token_id=self.pad_id)
         return result.to_batch(max_context=self.cfg.env.max_context, pad_token_id=self.pad_id)
 
+    @property
+    def _owns_reference(self) -> bool:
+        """Whether the reference is this trainer's frozen copy (saved in checkpoints)."""
+        return self._own_reference and self.reference is not None
+
     def _ensure_reference(self) -> None:
         """The frozen copy of the policy as RL starts (``algorithm.kl.coef > 0``, none given)."""
-        if self.reference is None and self.cfg.algorithm.kl.coef > 0:
-            self.reference = frozen_reference(self.train, packing=bool(self.cfg.train.packing))
-            self._own_reference = True
+        self.roles.freeze_reference()
 
     # ------------------------------------------------------------------ evaluation
 
@@ -512,7 +523,7 @@ class AgenticTrainer:
             "calls": self._calls,
             "server": self.rollout.server.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            "reference": dict(self.reference.export_weights()) if self._own_reference else None,
+            "reference": dict(self.reference.export_weights()) if self._owns_reference else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -645,8 +656,7 @@ class AgenticTrainer:
             try:
                 self.rollout.close()
             finally:
-                if self._ray is not None:
-                    self._ray.close()
+                self.roles.close()
 
     def __enter__(self) -> AgenticTrainer:
         return self
