@@ -38,7 +38,7 @@ from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
 from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, rollout_kl
-from trainers.loops.common import make_tracker, progress_bar, read_checkpoint, write_checkpoint
+from trainers.loops.common import read_checkpoint, run_fit, write_checkpoint
 from trainers.loops.critic_step import CriticStep
 from trainers.roles import build_roles
 
@@ -507,8 +507,6 @@ class AgenticTrainer:
         opt.zero_grad(set_to_none=True)
         return loss_v
 
-    # ------------------------------------------------------------------ fit
-
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -569,75 +567,37 @@ class AgenticTrainer:
             f"{m['env/died']:.0f}/{m['env/replaced']:.0f}/{m['env/cancelled']:.0f}{ev}"
         )
 
+    #: the headline of the summary and the first evaluation's line (trainers.loops.common.run_fit)
+    HEADLINE = ("success", "eval/success_rate", "greedy success rate")
+
+    @property
+    def global_step(self) -> int:
+        """The optimizer steps applied (:attr:`version`), as :func:`~trainers.loops.common.run_fit` counts them."""
+        return self.version
+
+    def save_model(self, path: str | Path) -> Path:
+        """The trained policy and tokenizer as a Hugging Face model directory at ``path``."""
+        return self.learner.save_model(path, self.tok)
+
+    def _prepare(self, resumed: bool) -> None:
+        """Before the first evaluation: the supervised warm-up (``warmup.steps``, not on a resumed
+        run) and the environment workers."""
+        if self.cfg.warmup.steps and not resumed:
+            t = time.perf_counter()
+            loss = self.warmup()
+            print(f"[warmup] {self.cfg.warmup.steps} steps, last loss {loss:.3f} ({time.perf_counter() - t:.0f}s)")
+        self.prestart()
+
     def fit(
         self, steps: int | None = None, *, on_step: Callable[[int, dict], None] | None = None
     ) -> dict[str, Any]:
-        """Warm up (if configured), evaluate, train ``steps`` (default ``train.steps``), evaluate;
-        writes ``metrics.jsonl`` (and TensorBoard) under ``logging.dir`` and a plot
-        (``curves.png``); returns a summary."""
-        cfg = self.cfg
-        total = cfg.train.steps if steps is None else steps
-        resumed = bool(cfg.checkpoint.resume)
-        if resumed:
-            self.load_checkpoint(cfg.checkpoint.resume)
-            total = max(total - self.version, 0)  # train.steps counts from the start of the run
-        # the agentic loop draws its own curves.png (plot_history)
-        tracker = make_tracker(cfg, resume_step=self.version if resumed else None, plot=False)
-        for note in tracker.notes:
-            print(f"[rollkit] {note}")
-        if cfg.warmup.steps and not resumed:
-            t = time.perf_counter()
-            loss = self.warmup()
-            print(f"[warmup] {cfg.warmup.steps} steps, last loss {loss:.3f} ({time.perf_counter() - t:.0f}s)")
-        self.prestart()
-        before = None
-        if cfg.eval.before and not resumed:
-            before = self.evaluate()
-            tracker.log(0, before)
-            print(f"[eval] step 0 greedy success rate {before['eval/success_rate']:.3f}", flush=True)
-        t0, start = time.perf_counter(), self.version
-        bar = progress_bar(start + total, start, "train") if cfg.logging.progress else None
-        while self.version - start < total:
-            m = self.step()
-            k = self.version
-            if cfg.eval.every and k % cfg.eval.every == 0 and k - start < total:
-                m.update(self.evaluate())
-            tracker.log(k, m)
-            if on_step is not None:
-                on_step(k, m)
-            if bar is not None:
-                bar.update(1)
-                bar.write(self._progress(k, start + total, m))
-            if cfg.checkpoint.dir and cfg.checkpoint.every and k % cfg.checkpoint.every == 0:
-                self.save_checkpoint()
-        train_time = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-        self._drain()
-        after = self.evaluate()
-        tracker.log(self.version, after)
-        plot = plot_history(tracker.history, tracker.dir / "curves.png") if cfg.logging.plot else None
-        tracker.close()
-        if cfg.checkpoint.dir:
-            self.save_checkpoint()
-        model_dir = (
-            self.learner.save_model(tracker.dir / "model", self.tok) if cfg.logging.save_model else None
-        )
-        if self.critic is not None and cfg.logging.save_model:
-            self.critic.save_model(tracker.dir / "critic", self.tok)
-        steps_run = self.version - start
-        return {
-            "success_before": None if before is None else before["eval/success_rate"],
-            "success_after": after["eval/success_rate"],
-            "steps": steps_run,
-            "train_seconds": train_time,
-            "seconds_per_step": train_time / max(steps_run, 1),
-            "metrics_file": str(tracker.jsonl),
-            "plot": None if plot is None else str(plot),
-            "model_dir": None if model_dir is None else str(model_dir),
-            "config_file": str(tracker.dir / "config.yaml"),
-            "history": tracker.history,
-        }
+        """Warm up (if configured), evaluate, train up to ``steps`` (default ``train.steps``,
+        counted from the start of the run), evaluate; writes ``metrics.jsonl`` (and TensorBoard)
+        under ``logging.dir`` and a plot (``curves.png``; :func:`plot_history`); returns a
+        summary (the shared fit loop, :func:`trainers.loops.common.run_fit`: ``success_before``,
+        ``success_after``, ...)."""
+        return run_fit(self, steps, line=self._progress, headline=self.HEADLINE, prepare=self._prepare,
+                       finish=self._drain, plot=plot_history, on_step=on_step)  # fmt: skip
 
     def _drain(self) -> None:
         """Wait for a background collection (its batch is discarded)."""

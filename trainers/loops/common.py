@@ -1,8 +1,9 @@
 """Parts every loop shares: a step timer, prompt encoding, checkpoint files and the fit driver.
 
-:func:`run_fit` is the outer loop of the RLVR trainers (evaluate, ``train.steps`` x ``step()``,
+:func:`run_fit` is the outer loop of the RL trainers (evaluate, ``train.steps`` x ``step()``,
 evaluate every ``eval.every`` steps, checkpoint every ``checkpoint.every``, evaluate, plot): the
-sync and async loops hand it themselves (anything with the :class:`Loop` methods).
+sync, async, distillation and agentic loops hand it themselves (anything with the :class:`Loop`
+methods).
 """
 
 from __future__ import annotations
@@ -289,10 +290,44 @@ def _train_to_host(loop: Any) -> None:
         roles.offload_train()
 
 
-def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = _progress) -> dict[str, Any]:
-    """Resume (``checkpoint.resume``), evaluate, train up to ``steps`` (default ``train.steps``;
-    counted from the current step), evaluate; returns a summary. ``line(step, total, metrics)``
-    is the progress line printed per step (``logging.progress``)."""
+def _curves(tracker: Tracker, plot: Callable[..., Path | None] | None, want: bool) -> Path | None:
+    """``curves.png``: the loop's ``plot(history, path)`` when it has one (and ``logging.plot``),
+    else the tracker's own."""
+    if plot is None:
+        return tracker.plot()
+    return plot(tracker.history, tracker.dir / "curves.png") if want else None
+
+
+#: the RLVR loops' headline metric: (summary key prefix, metric, label of the printed line)
+ACCURACY = ("accuracy", "eval/accuracy", "held-out accuracy")
+
+
+def run_fit(
+    loop: Loop,
+    steps: int | None = None,
+    *,
+    line: Callable[..., str] = _progress,
+    headline: tuple[str, str, str] = ACCURACY,
+    prepare: Callable[[bool], None] | None = None,
+    finish: Callable[[], None] | None = None,
+    plot: Callable[[list[dict[str, Any]], Path], Path | None] | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, Any]:
+    """The fit loop of every RL trainer: resume (``checkpoint.resume``), evaluate, train up to
+    ``steps`` (default ``train.steps``; counted from the start of the run, so a resumed run
+    trains what is left), evaluating every ``eval.every`` and checkpointing every
+    ``checkpoint.every`` steps, evaluate; returns a summary.
+
+    Args:
+        line: ``line(step, total, metrics)``, the progress line printed per step (``logging.progress``).
+        headline: ``(word, metric, label)``: the evaluation metric quoted as ``<word>_before`` /
+            ``<word>_after`` in the summary and printed after the first evaluation.
+        prepare: ``prepare(resumed)``, run after the resume and before the first evaluation (the
+            agentic warm-up and environment workers).
+        finish: run after the last step, before the final evaluation (a background collection drained).
+        plot: ``plot(history, path)`` draws ``curves.png`` (default: the tracker's plot).
+        on_step: ``on_step(step, metrics)`` after each step is logged.
+    """
     cfg = loop.cfg
     resume_step = None
     if cfg.checkpoint.resume:
@@ -301,14 +336,17 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         _train_to_host(loop)
     total = cfg.train.steps if steps is None else steps
     lg = cfg.logging
-    tracker = make_tracker(cfg, resume_step=resume_step)
+    word, key, label = headline
+    tracker = make_tracker(cfg, resume_step=resume_step, plot=False if plot is not None else None)
     for note in tracker.notes:
         print(f"[rollkit] {note}")
+    if prepare is not None:
+        prepare(resume_step is not None)
     before = None
     if cfg.eval.before and loop.global_step == 0:
         before = loop.evaluate()
         tracker.log(0, before)
-        print(f"[eval] step 0 held-out accuracy {before.get('eval/accuracy', float('nan')):.3f}")
+        print(f"[eval] step 0 {label} {before.get(key, float('nan')):.3f}", flush=True)
     t0, start = time.perf_counter(), loop.global_step
     bar = progress_bar(total, loop.global_step, "train") if lg.progress else None
     while loop.global_step < total:
@@ -317,6 +355,8 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         if cfg.eval.every and k % cfg.eval.every == 0 and k < total:
             m.update(loop.evaluate())
         tracker.log(k, m)
+        if on_step is not None:
+            on_step(k, m)
         if bar is not None:
             bar.update(1)
             bar.write(line(k, total, m))
@@ -328,9 +368,11 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     train_time = time.perf_counter() - t0
     if bar is not None:
         bar.close()
+    if finish is not None:
+        finish()
     after = loop.evaluate()
     tracker.log(loop.global_step, after)
-    plot = tracker.plot()
+    curves = _curves(tracker, plot, lg.plot)
     tracker.close()
     if cfg.checkpoint.dir:
         loop.save_checkpoint()
@@ -339,8 +381,8 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
     steps_run = loop.global_step - start
     tb = tracker.dir / "tb"
     return {
-        "accuracy_before": None if before is None else before.get("eval/accuracy"),
-        "accuracy_after": after.get("eval/accuracy"),
+        f"{word}_before": None if before is None else before.get(key),
+        f"{word}_after": after.get(key),
         "eval_before": before,  # every held-out metric (per source, per domain, pass@k)
         "eval_after": after,
         "steps": steps_run,
@@ -348,7 +390,7 @@ def run_fit(loop: Loop, steps: int | None = None, *, line: Callable[..., str] = 
         "seconds_per_step": train_time / max(steps_run, 1),
         "metrics_file": str(tracker.jsonl),
         "tensorboard_dir": None if tracker.tb is None and not tb.exists() else str(tb),
-        "plot": None if plot is None else str(plot),
+        "plot": None if curves is None else str(curves),
         "model_dir": None if model_dir is None else str(model_dir),
         "config_file": str(tracker.dir / "config.yaml"),
         "notes": tracker.notes,
