@@ -87,6 +87,9 @@ class Roles:
     reward_fn: Any = None
     critic: Any = None  # algorithm.advantage=gae / asyppo: the learned critic (trainers.critic.Critic)
     owned: list[Any] = field(default_factory=list)
+    # False: the rollout serves while the learner trains (the agentic loop's environments and
+    # background collection), so a colocated rollout never sleeps
+    may_sleep: bool = True
     _reward_busy: float = 0.0
     _domain_busy: dict[str, float] = field(default_factory=dict)
 
@@ -94,7 +97,7 @@ class Roles:
     def rollout_sleeps(self) -> bool:
         """The rollout sleeps while the learner trains (Ray, colocated, ``placement.offload``)."""
         p = self.cfg.placement
-        return self.cfg.ray.enabled and p.mode == "colocated" and p.offload
+        return self.may_sleep and self.cfg.ray.enabled and p.mode == "colocated" and p.offload
 
     @property
     def train_offload(self) -> bool:
@@ -265,6 +268,7 @@ def build_roles(
     critic: Any = None,
     max_positions: int = 512,
     reference_later: bool = False,
+    rollout_may_sleep: bool = True,
 ) -> Roles:
     """The roles of ``cfg`` (module docstring).
 
@@ -283,6 +287,8 @@ def build_roles(
             ``env.max_context``).
         reference_later: in process, the frozen copy of the policy is made by
             :meth:`Roles.freeze_reference` (after a warm-up), not here.
+        rollout_may_sleep: ``False``: a colocated rollout never sleeps while the learner trains
+            (a loop whose rollout keeps serving, as the agentic one's environments).
 
     A run config without a ``reward`` section (:class:`~trainers.config.AgenticConfig`: its
     environments score the episodes) gets no verifier and no reward pool.
@@ -329,6 +335,7 @@ def build_roles(
         reward_fn=reward_fn,
         critic=critic,
         owned=owned,
+        may_sleep=rollout_may_sleep,
     )
     try:
         roles.offload_train()  # the first generation runs with the train state on the host

@@ -17,7 +17,8 @@ from rollkit.advantages import gigpo_advantages, starpo_advantages
 from rollkit.ops import broadcast_to_tokens
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from trainers.config import AgenticConfig, load_config
-from trainers.loops.agentic import AgenticTrainer, kl_to_reference, trajectory_advantages
+from trainers.loops.agentic import AgenticTrainer, TrajectoryCredit, trajectory_advantages
+from trainers.loops.common import Timer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,7 +163,7 @@ def test_gigpo_step_uses_state_groups_and_starpo_one_advantage_per_trajectory(tm
     with AgenticTrainer(cfg) as trainer:
         result = trainer.collect()
         batch = result.to_batch(max_context=cfg.env.max_context, pad_token_id=trainer.pad_id)
-        adv, m = trajectory_advantages(trainer.adv_entry, batch, cfg.algorithm.advantage_kwargs)
+        adv, m = trajectory_advantages(trainer.update.adv_entry, batch, cfg.algorithm.advantage_kwargs)
         # every group's episodes start from the same state: anchor groups of size group_size exist
         assert m["adv/state_groups_multi"] >= 2
         want = gigpo_advantages(
@@ -179,8 +180,7 @@ def test_gigpo_step_uses_state_groups_and_starpo_one_advantage_per_trajectory(tm
         metrics = trainer.step()
         assert metrics["adv/state_groups_multi"] >= 2
         cfg.algorithm.advantage, cfg.algorithm.advantage_kwargs = "starpo", {}
-        trainer.adv_entry = ADVANTAGE_ESTIMATORS.entry("starpo")
-        adv2, _ = trajectory_advantages(trainer.adv_entry, batch, cfg.algorithm.advantage_kwargs)
+        adv2, _ = trajectory_advantages(ADVANTAGE_ESTIMATORS.entry("starpo"), batch, cfg.algorithm.advantage_kwargs)
         want2 = broadcast_to_tokens(starpo_advantages(batch.rewards, batch.group_ids), batch.response_mask)
         torch.testing.assert_close(adv2, want2)
 
@@ -365,7 +365,8 @@ def test_kl_to_a_frozen_reference(tmp_path, mode):
 
 
 def test_kl_reward_penalty_lands_on_each_turn(tmp_path):
-    """The per-turn KL penalty: each step's reward loses coef x the summed KL of that turn's tokens."""
+    """The per-turn KL penalty (the shared stage's reference step with the agentic credit): each
+    step's reward loses coef x the summed KL of that turn's tokens."""
     from trainers.engines.base import PackedBatch
 
     cfg = tiny_cfg(tmp_path, "rollout.mode=lockstep", "algorithm.kl.coef=2.0", "algorithm.kl.mode=reward")
@@ -377,7 +378,7 @@ def test_kl_reward_penalty_lands_on_each_turn(tmp_path):
                              old_logprobs=batch.behavior_logprobs - 0.1 * batch.response_mask)  # fmt: skip
         before = batch.step_rewards.clone(), batch.rewards.clone()
         metrics: dict[str, float] = {}
-        ref = kl_to_reference(cfg, tr.reference, batch, packed, metrics)
+        ref = tr.update._reference(packed, TrajectoryCredit(batch), Timer(), metrics) * batch.response_mask
         kl = torch.exp(ref - packed.old_logprobs) - (ref - packed.old_logprobs) - 1  # k3
         pen = 2.0 * kl * batch.response_mask
         for n in range(len(before[0])):
@@ -385,6 +386,30 @@ def test_kl_reward_penalty_lands_on_each_turn(tmp_path):
             want = before[0][n] - pen[row][batch.step_ids[row] == k].sum()
             assert float(batch.step_rewards[n]) == pytest.approx(float(want), abs=1e-5)
         torch.testing.assert_close(batch.rewards, before[1] - pen.sum(-1), rtol=0, atol=1e-5)
+
+
+def test_shared_stage_options_train_agents(tmp_path):
+    """The shared update stage's options in the agentic trainer: the adaptive KL coefficient
+    (``algorithm.kl.target``) moves with each step's KL and is checkpointed; the advantages are
+    whitened and clipped (``algorithm.whiten_advantages``, ``algorithm.advantage_clip``)."""
+    from rollkit.losses.kl import AdaptiveKLController
+
+    cfg = tiny_cfg(tmp_path, "rollout.mode=lockstep", "algorithm.kl.coef=0.1", "algorithm.kl.target=0.001",
+                   "algorithm.kl.horizon=10", "algorithm.whiten_advantages=true", "algorithm.advantage_clip=0.5",
+                   "train.lr=1e-2")  # fmt: skip
+    want = AdaptiveKLController(0.1, target=0.001, horizon=10)
+    with AgenticTrainer(cfg) as tr:
+        for _ in range(2):
+            m = tr.step()
+            assert m["kl/coef"] == pytest.approx(want.value)
+            want.update(m["kl/rollout"], n_steps=int(m["train/trajectories"]))
+            assert 0 <= m["advantage/clipped_frac"] <= 1 and m["advantage/abs_mean"] <= 0.5 + 1e-6
+        assert m["kl/rollout"] > 0 and tr.update.kl_ctrl.value == pytest.approx(want.value)
+        assert tr.update.kl_ctrl.value != 0.1
+        state = tr.state_dict()
+    with AgenticTrainer(cfg) as again:
+        again.load_state_dict(state)
+        assert again.update.kl_ctrl.value == pytest.approx(want.value)
 
 
 # ----------------------------------------------------------------------------- one sample per turn

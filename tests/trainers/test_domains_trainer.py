@@ -313,7 +313,7 @@ def test_per_domain_normalisation_equals_the_primitive_on_each_domain_alone(tmp_
     refs = {d: RunningRewardNormalizer() for d in "abc"}
     for _ in range(3):  # running statistics carry over between steps, per domain
         r = torch.rand(len(domains), generator=g) * 4
-        got = tr.update._normalize(r, domains)
+        got = tr.update.normalize(r, domains)
         for d in "abc":
             sel = torch.tensor([x == d for x in domains])
             want = r[sel]

@@ -123,12 +123,14 @@ def test_good_values_pass():
     "override",
     [
         "algorithm.reward_clip=1",
-        "algorithm.advantage_clip=1",
-        "algorithm.whiten_advantages=true",
-        "algorithm.kl.target=1",
+        "algorithm.reward_normalizer=true",
+        "algorithm.batch_reward_norm=true",
     ],
 )
 def test_agentic_trainer_rejects_rlvr_only_options(override):
+    """The RLVR credit's reward shaping (one reward per sample) is refused for agents; the shared
+    update stage's options (whitening, advantage clip, adaptive KL) are not
+    (tests/trainers/test_agentic_trainer.py trains with them)."""
     with pytest.raises(ValueError, match=rf"^{override.split('=')[0]}: wired in the RLVR trainers only"):
         load_config([override], base=AgenticConfig())  # load_config validates
     cfg = AgenticConfig()
@@ -136,6 +138,8 @@ def test_agentic_trainer_rejects_rlvr_only_options(override):
     set_value(cfg, key, value)  # the same value set in code: validate_agentic refuses it
     with pytest.raises(ValueError, match=rf"^{key}: wired in the RLVR trainers only"):
         validate_agentic(cfg)
+    load_config(["algorithm.whiten_advantages=true", "algorithm.advantage_clip=1", "algorithm.kl.coef=0.1",
+                 "algorithm.kl.target=1"], base=AgenticConfig())  # fmt: skip
 
 
 def test_help_names_each_option_with_its_roll_or_verl_name():

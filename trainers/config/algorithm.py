@@ -171,12 +171,13 @@ RLVR_ADVANTAGE_INPUTS = ("rewards", "group_ids", "response_mask", "response_leng
 RLVR_LOSS_INPUTS = ("logprobs", "old_logprobs", "behavior_logprobs", "advantages", "response_mask")
 #: Policy losses that weight by ``behavior_logprobs`` themselves (a second correction would double it).
 SELF_CORRECTING_LOSSES = ("tis", "decoupled-ppo")
-#: ``algorithm`` options the RLVR trainer wires and the agentic one does not (field, value, off)
+#: ``algorithm`` options of the RLVR credit (one reward per sample: its normalisation and clip)
+#: that the agentic one (episode, turn and state-group rewards) does not have (field, value, off);
+#: the shared update stage's options (whitening, advantage clip, adaptive KL) work in both
 RLVR_ONLY_ALGORITHM = (
     ("algorithm.reward_clip", lambda a: a.reward_clip, 0.0),
-    ("algorithm.advantage_clip", lambda a: a.advantage_clip, 0.0),
-    ("algorithm.whiten_advantages", lambda a: a.whiten_advantages, False),
-    ("algorithm.kl.target", lambda a: a.kl.target, 0.0),
+    ("algorithm.reward_normalizer", lambda a: a.reward_normalizer, False),
+    ("algorithm.batch_reward_norm", lambda a: a.batch_reward_norm, False),
 )
 
 

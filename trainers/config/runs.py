@@ -219,7 +219,9 @@ def validate_agentic(cfg: AgenticConfig) -> None:
         )
     for name, get, off in RLVR_ONLY_ALGORITHM:
         if get(a) != off:
-            raise ValueError(f"{name}: wired in the RLVR trainers only, not the agentic one; set it to {off}")
+            raise ValueError(
+                f"{name}: wired in the RLVR trainers only (one reward per sample), not the agentic one; set it to {off}"
+            )
     if cfg.placement.offload_train:
         raise ValueError(
             "placement.offload_train: not wired in the agentic trainer (its rollout and update overlap)"

@@ -3,13 +3,18 @@
 :meth:`AgenticTrainer.step` is one RL step::
 
     collect (lock-step | env-level async | async + redundant environments; faulty envs dropped and
-    replaced) -> one sequence per episode, response_mask False on env tokens -> advantages
-    (registry name: "starpo" per trajectory, "gigpo" per step with state groups, or any outcome
-    estimator) -> the one PPO update (trainers.learner.ppo_update) -> push weights -> log
+    replaced) -> one sequence per episode (or one row per turn), response_mask False on env
+    tokens -> the shared update stage (:class:`~trainers.loops.stage.UpdateStage`: [recompute,
+    correction per turn] -> [reference / KL, the penalty per turn] -> advantages (registry name:
+    "starpo" per trajectory, "gigpo" per step with state groups, any outcome estimator; or GAE
+    over a critic) -> [whitening, clip] -> [critic update] -> the PPO update) -> push weights -> log
 
-With ``rollout.max_staleness = 0`` (default) the step is synchronous; with ``>= 1`` the next batch
-is collected in the background while the current one trains, with a per-turn staleness bound.
-Configuration: :class:`~trainers.config.AgenticConfig`. docs/agentic.md.
+The trainer runs on the shared roles (:func:`trainers.roles.build_roles`: in process or Ray
+actors) and the shared fit loop (:func:`trainers.loops.common.run_fit`); its own part is the
+episode collection and :class:`TrajectoryCredit`. With ``rollout.max_staleness = 0`` (default)
+the step is synchronous; with ``>= 1`` the next batch is collected in the background while the
+current one trains, with a per-turn staleness bound. Configuration:
+:class:`~trainers.config.AgenticConfig`. docs/agentic.md.
 """
 
 from __future__ import annotations
@@ -26,23 +31,22 @@ from typing import Any
 import torch
 
 from rollkit.advantages import anchor_state_index
-from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.trajectory import TrajectoryBatch
-from trainers.config import AgenticConfig, critic_needed, validate_agentic
+from trainers.config import AgenticConfig, validate_agentic
 from trainers.deps import require
-from trainers.engines.base import PackedBatch, SamplingParams, batch_logprobs
+from trainers.engines.base import PackedBatch, SamplingParams
 from trainers.engines.build import build_engines, build_model, parse_dtype
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.envs.base import extract_boxed
 from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
 from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
-from trainers.learner import UpdateSpec, apply_correction, needs_recompute, nll_loss, rollout_kl
-from trainers.loops.common import read_checkpoint, run_fit, write_checkpoint
-from trainers.loops.critic_step import CriticStep
+from trainers.learner import UpdateSpec, nll_loss
+from trainers.loops.common import Timer, read_checkpoint, run_fit, write_checkpoint
+from trainers.loops.stage import UpdateStage
 from trainers.roles import build_roles
 
-__all__ = ["AgenticTrainer", "build_agentic_engines", "kl_to_reference", "plot_history"]
+__all__ = ["AgenticTrainer", "TrajectoryCredit", "build_agentic_engines", "plot_history", "trajectory_advantages", "turn_kl_penalty"]
 
 
 def build_agentic_engines(cfg: AgenticConfig) -> tuple[Any, Any, Any]:
@@ -142,41 +146,56 @@ def episode_metrics(result: EpisodeBatch, version: int) -> dict[str, float]:
     }
 
 
-def kl_to_reference(
-    cfg: AgenticConfig,
-    reference: Any,
-    batch: TrajectoryBatch,
-    packed: PackedBatch,
-    metrics: dict[str, float],
-    *,
-    per_turn: bool = False,
-) -> torch.Tensor | None:
-    """With a reference (``algorithm.kl.coef > 0``): its ``[B, T]`` log-probs of the action
-    tokens and ``kl/rollout`` (the token-mean KL estimate between the rollout's log-probs and
-    the reference's). ``kl.mode=reward``: ``coef x`` each turn's summed KL is taken off that
-    turn's reward (``step_rewards``) and off its trajectory's (``rewards``,
-    ``episode_returns``), before any estimator sees them; ``kl.mode=loss``: the returned
-    log-probs go to the update's KL term."""
-    if reference is None:
-        return None
-    a, r, mask = cfg.algorithm, cfg.rollout, packed.response_mask
-    ref = batch_logprobs(reference, packed, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                         micro_batch_size=cfg.train.micro_batch_size) * mask  # fmt: skip
-    kl, metrics["kl/rollout"] = rollout_kl(packed.old_logprobs, ref, mask, a.kl.estimator)
-    if a.kl.mode == "reward":
-        pen = a.kl.coef * kl * mask
-        n = int(batch.step_rewards.shape[0])
-        step = (batch.step_offsets.unsqueeze(1) + batch.step_ids.clamp(min=0)).clamp(max=max(n - 1, 0))
-        per_step = torch.zeros(n, dtype=pen.dtype).index_add_(0, step[mask], pen[mask])
-        # per turn: traj_ids are episodes; one sequence per episode: rows (a row may have no kept turn)
-        episodes = (int(batch.traj_ids.max()) + 1 if n else 0) if per_turn else int(batch.rewards.shape[0])
-        per_episode = torch.zeros(episodes, dtype=pen.dtype).index_add_(0, batch.traj_ids, per_step)
-        row_episode = batch.traj_ids if per_turn else torch.arange(batch.rewards.shape[0])
-        batch.step_rewards = batch.step_rewards - per_step
-        batch.rewards = batch.rewards - per_episode[row_episode]
-        batch.episode_returns = batch.episode_returns - per_episode[batch.traj_ids]
-        metrics["kl/reward_penalty_mean"] = float(pen.sum(-1).mean())
-    return ref
+def turn_kl_penalty(batch: TrajectoryBatch, penalty: torch.Tensor, *, per_turn: bool = False) -> float:
+    """``algorithm.kl.mode=reward`` for agents: each turn's summed per-token ``penalty`` ``[B, T]``
+    (``coef x KL``, 0 off the action tokens) is taken off that turn's reward (``step_rewards``)
+    and off its trajectory's (``rewards``, ``episode_returns``), before any estimator sees them;
+    ``per_turn``: the rows are turns (:func:`rollkit.trajectory.build_turn_batch`). Returns the
+    mean summed penalty per row (``kl/reward_penalty_mean``)."""
+    mask = batch.response_mask
+    pen = penalty * mask
+    n = int(batch.step_rewards.shape[0])
+    step = (batch.step_offsets.unsqueeze(1) + batch.step_ids.clamp(min=0)).clamp(max=max(n - 1, 0))
+    per_step = torch.zeros(n, dtype=pen.dtype).index_add_(0, step[mask], pen[mask])
+    # per turn: traj_ids are episodes; one sequence per episode: rows (a row may have no kept turn)
+    episodes = (int(batch.traj_ids.max()) + 1 if n else 0) if per_turn else int(batch.rewards.shape[0])
+    per_episode = torch.zeros(episodes, dtype=pen.dtype).index_add_(0, batch.traj_ids, per_step)
+    row_episode = batch.traj_ids if per_turn else torch.arange(batch.rewards.shape[0])
+    batch.step_rewards = batch.step_rewards - per_step
+    batch.rewards = batch.rewards - per_episode[row_episode]
+    batch.episode_returns = batch.episode_returns - per_episode[batch.traj_ids]
+    return float(pen.sum(-1).mean())
+
+
+class TrajectoryCredit:
+    """The agentic credit of the shared update stage (:class:`~trainers.loops.stage.Credit`):
+    episode, turn and state-group rewards of a :class:`~rollkit.trajectory.TrajectoryBatch`; the
+    KL penalty per turn (:func:`turn_kl_penalty`, with or without a critic); a trajectory- or
+    step-level estimator (:func:`trajectory_advantages`); a critic's token rewards are each
+    turn's reward on its last action token."""
+
+    def __init__(self, batch: TrajectoryBatch, *, per_turn: bool = False) -> None:
+        self.batch, self.per_turn, self.group_ids = batch, per_turn, batch.group_ids
+
+    def penalize(self, kl_penalty: torch.Tensor, *, critic: bool, metrics: dict[str, float]) -> None:
+        metrics["kl/reward_penalty_mean"] = turn_kl_penalty(self.batch, kl_penalty, per_turn=self.per_turn)
+
+    def shape_rewards(self, metrics: dict[str, float]) -> None:
+        """None: the reward normalisations and clip are refused for agents (validate_agentic)."""
+
+    def advantages(self, entry: Any, kwargs: dict[str, Any], metrics: dict[str, float]) -> torch.Tensor:
+        adv, m = trajectory_advantages(entry, self.batch, kwargs, per_turn=self.per_turn)
+        metrics.update(m)
+        return adv
+
+    def token_rewards(self) -> torch.Tensor:
+        return self.batch.turn_end_rewards()
+
+    def shape_advantages(self, batch: PackedBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        return adv
+
+    def report(self, adv: torch.Tensor, metrics: dict[str, float]) -> None:
+        """None: the episode metrics are the collector's (:func:`episode_metrics`)."""
 
 
 class AgenticTrainer:
@@ -225,7 +244,7 @@ class AgenticTrainer:
         # the shared roles; in process the frozen reference is made as RL starts (after the warm-up)
         self.roles = build_roles(cfg, rollout=rollout_engine, train=train_engine, tokenizer=tokenizer, model=model,
                                  reference=reference, critic=critic, max_positions=positions,
-                                 reference_later=True)  # fmt: skip
+                                 reference_later=True, rollout_may_sleep=False)  # fmt: skip
         if model is None:
             self._set_tokenizer(self.roles.tokenizer)
         self.learner = self.roles.learner
@@ -247,8 +266,8 @@ class AgenticTrainer:
             if cfg.rollout.sample_per == "turn"
             else None,
         )
-        # the registry estimator; none with a critic (GAE over its values, CriticStep)
-        self.adv_entry = None if critic_needed(cfg) else ADVANTAGE_ESTIMATORS.entry(cfg.algorithm.advantage)
+        # recompute / correction, reference / KL, advantages or critic, learner: the shared stage
+        self.update = UpdateStage(cfg, self.roles)
         self.version = 0  # optimizer steps applied = the policy version the engine serves
         self._seeds = random.Random(cfg.seed)
         self._calls = 0
@@ -319,10 +338,10 @@ class AgenticTrainer:
 
     def step(self) -> dict[str, float]:
         """One RL step; returns its metrics."""
-        cfg, t0 = self.cfg, time.perf_counter()
+        timer, t0 = Timer(), time.perf_counter()
         self._ensure_reference()
-        result = self._next_batch()
-        t_rollout = time.perf_counter() - t0
+        with timer("rollout"):
+            result = self._next_batch()
         metrics = episode_metrics(result, self.version)
         # trajectories -> one packed batch (env tokens masked out of the response) -> advantages
         batch = self._batch(result)
@@ -335,55 +354,16 @@ class AgenticTrainer:
             old_logprobs=batch.behavior_logprobs,
             step_ids=batch.step_ids,  # IPA's chunks: the turn of each token (algorithm.policy_loss=ipa)
         )
-        t1 = time.perf_counter()
-        ref_lp = kl_to_reference(cfg, self.reference, batch, packed, metrics, per_turn=self.per_turn)
-        critic_step = None
-        if self.critic is None:
-            adv, adv_metrics = trajectory_advantages(
-                self.adv_entry, batch, cfg.algorithm.advantage_kwargs, per_turn=self.per_turn
-            )
-        else:  # PPO / AsyPPO: each turn's reward at its end, GAE over the action tokens
-            critic_step = CriticStep(cfg, self.critic, packed, batch.group_ids, self.version)
-            adv_metrics = {}
-            adv = critic_step.advantages(batch.turn_end_rewards(), adv_metrics)
-            adv_metrics["advantage/abs_mean"] = float(
-                adv.abs().sum() / packed.response_mask.sum().clamp(min=1)
-            )
-            adv_metrics.update(critic_step.update(seed=cfg.seed * 7919 + self.version))
-        metrics.update(adv_metrics)
-        # the one PPO update; the old log-probs are the rollout's (behaviour) ones, or the
-        # trainer's recomputation with the mismatch correction (algorithm.correction)
-        corr = cfg.algorithm.correction
-        if needs_recompute(corr):
-            r = cfg.rollout
-            old = batch_logprobs(
-                self.train if self.train is not None else self.learner,
-                packed,
-                temperature=r.temperature,
-                top_k=r.top_k,
-                top_p=r.top_p,
-                micro_batch_size=cfg.train.micro_batch_size,
-            )
-            packed.behavior_logprobs, packed.old_logprobs = packed.old_logprobs, old * packed.response_mask
-            metrics.update(apply_correction(packed, corr, segment_ids=batch.step_ids))
-        if critic_step is not None and self.version < cfg.critic.warmup_steps:
-            metrics["critic/warmup"] = 1.0  # critic warm-up: the policy waits (its version still advances)
-        else:
-            metrics.update(self.learner.update(packed, adv, ref_lp, seed=cfg.seed * 7919 + self.version))
-        t_train = time.perf_counter() - t1
+        # the shared update stage: [recompute, correction per turn] -> [reference / KL per turn] ->
+        # advantages (estimator or critic) -> [whitening, clip] -> [critic update] -> the PPO update
+        credit = TrajectoryCredit(batch, per_turn=self.per_turn)
+        metrics.update(self.update.run(packed, credit, self.version, timer, segment_ids=batch.step_ids))
         # push the weights (between two generation batches if a collection is running)
-        t2 = time.perf_counter()
         self.version += 1
-        self.rollout.server.update_weights(self.learner.export_weights(), self.version)
-        metrics.update(
-            {
-                "time/rollout": t_rollout,
-                "time/train": t_train,
-                "time/weight_sync": time.perf_counter() - t2,
-                "time/step": time.perf_counter() - t0,
-                "train/trajectories": float(batch.response_mask.shape[0]),
-            }
-        )
+        with timer("weight_sync"):
+            self.rollout.server.update_weights(self.learner.export_weights(), self.version)
+        metrics.update(timer.metrics(t0))
+        metrics["train/trajectories"] = float(batch.response_mask.shape[0])
         return metrics
 
     def _set_tokenizer(self, tokenizer: Any) -> None:
@@ -517,6 +497,7 @@ class AgenticTrainer:
             "version": self.version,
             "train": self.learner.state_dict(),
             "critic": None if self.critic is None else self.critic.state_dict(),
+            "update": self.update.state_dict(),  # the adaptive KL coefficient (algorithm.kl.target)
             "seeds": self._seeds.getstate(),
             "calls": self._calls,
             "server": self.rollout.server.state_dict(),
@@ -532,6 +513,7 @@ class AgenticTrainer:
                     "checkpoint.resume: the checkpoint has no critic (it was written by a run without one)"
                 )
             self.critic.load_state_dict(state["critic"])
+        self.update.load_state_dict(state.get("update", {}))
         self.version, self._calls = int(state["version"]), int(state["calls"])
         self._seeds.setstate(state["seeds"])
         self.rollout.server.load_state_dict(state["server"])
