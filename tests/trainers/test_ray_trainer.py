@@ -474,7 +474,8 @@ def test_the_ray_critic_equals_the_in_process_one_and_trains_in_the_loop(cluster
     batch; then a PPO step on Ray (colocated: the critic in train rank 0's bundle) trains it and
     the run saves it."""
     from trainers.critic import build_critic
-    from trainers.ray.workers import CriticWorker, RayCritic
+    from trainers.ray.handles import RayCritic
+    from trainers.ray.workers import CriticWorker
 
     cfg = load_config([*BASE, "algorithm.advantage=gae", "critic.lr=1e-3", f"logging.dir={tmp_path / 'run'}",
                        "train.steps=1", "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_tokens=4"])  # fmt: skip

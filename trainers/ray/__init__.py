@@ -1,11 +1,8 @@
 """Ray roles for the reference trainers: placement groups (:mod:`trainers.ray.placement`) and
-the rollout / train / reference / critic / teacher actors with the proxies the trainer talks to
-(:mod:`trainers.ray.workers`). See docs/distributed.md. ``ray`` is imported when used."""
+the rollout / train / reference / critic / teacher actors (:mod:`trainers.ray.workers`) and the
+proxies the trainer talks to (:mod:`trainers.ray.handles`). See docs/distributed.md. ``ray`` is imported when used."""
 
-from trainers.ray.placement import ActorSlot, BundlePlan, Placement, plan_bundles, plan_teacher
-from trainers.ray.workers import (
-    ActorCallError,
-    CriticWorker,
+from trainers.ray.handles import (
     RayCritic,
     RayReference,
     RayRequestEngine,
@@ -13,13 +10,18 @@ from trainers.ray.workers import (
     RayRolloutGroup,
     RayTeacher,
     RayTrainGroup,
+    build_ray_roles,
+    build_ray_teacher,
+)
+from trainers.ray.placement import ActorSlot, BundlePlan, Placement, plan_bundles, plan_teacher
+from trainers.ray.workers import (
+    ActorCallError,
+    CriticWorker,
     ReferenceWorker,
     RolloutWorker,
     TeacherWorker,
     TrainWorker,
     batch_topk_logprobs,
-    build_ray_roles,
-    build_ray_teacher,
     init_ray,
     response_topk_logprobs,
     teacher_engine,

@@ -3,7 +3,8 @@
 * :mod:`trainers.rewards.verifiers`: the verifier protocol ``(completion, prompt) -> float``,
   exact match, Math-Verify, and :data:`VERIFIERS`, the one registry a config picks a verifier
   from (``reward.verifier=exact_match|math_verify|llm_judge|code|reward_model``; :func:`get_verifier`).
-* :mod:`trainers.rewards.pool`: :class:`RewardPool` (inline, worker processes or Ray actors)
+* :mod:`trainers.rewards.pool`: :class:`RewardPool` (inline, worker processes or Ray actors;
+  their worker side in :mod:`trainers.rewards.backends`)
   scores samples as they are generated; :func:`rollout_and_score`.
 * :mod:`trainers.rewards.judge`: :class:`JudgeReward`, a judge model's grade.
 * :mod:`trainers.rewards.reward_model`: :class:`RewardModelVerifier`, a learned reward model's
