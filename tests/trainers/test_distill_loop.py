@@ -124,6 +124,21 @@ def test_bad_settings_are_one_line_errors():
         make("distill.teacher_chunk_tokens=-1")
     with pytest.raises(ValueError, match=r"^distill.teacher_cpus must be > 0, got 0.0$"):
         make("distill.teacher_cpus=0")
+    with pytest.raises(ValueError, match=r"^algorithm.advantage=gae: distillation trains without a critic"):
+        make("distill.mode=rl", "algorithm.advantage=gae")
+
+
+def test_rl_mode_runs_the_shared_stage_options():
+    """distill.mode=rl trains through the shared update stage: the KL to the initial policy
+    (``algorithm.kl.coef``), whitening and the advantage clip act on the teacher's advantages."""
+    tr = make("distill.mode=rl", "algorithm.kl.coef=0.5", "algorithm.kl.mode=reward",
+              "algorithm.whiten_advantages=true", "algorithm.advantage_clip=0.25")  # fmt: skip
+    try:
+        m = tr.step()
+        assert m["kl/rollout"] >= 0 and "distill/reverse_kl" in m and 0 <= m["advantage/clipped_frac"] <= 1
+        assert m["advantage/abs_mean"] <= 0.25 + 1e-6 and "time/teacher" in m and "time/reference" in m
+    finally:
+        tr.close()
 
 
 def test_memory_lean_teacher_gives_the_same_step():

@@ -256,6 +256,11 @@ def validate_distill(cfg: DistillConfig) -> None:
     d = cfg.distill
     if d.task_coef and d.mode != "rl":
         raise ValueError(f"distill.task_coef={d.task_coef}: task advantages need distill.mode=rl")
+    if critic_needed(cfg):
+        raise ValueError(
+            f"algorithm.advantage={cfg.algorithm.advantage}: distillation trains without a critic (its advantages "
+            "are the teacher's per-token scores); use a critic-free estimator (grpo, rloo, ...)"
+        )
 
 
 def validate_run(cfg: Any) -> None:

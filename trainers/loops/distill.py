@@ -19,7 +19,9 @@ gradient, Thinking Machines' "On-Policy Distillation" 2025) with the global norm
 batch; nothing else is in the loss. ``distill.mode="rl"``: the advantages are
 :func:`rollkit.losses.distill_token_rewards` of the rollout's log-probs (plus
 ``distill.task_coef`` times the task advantages of ``algorithm.advantage``), trained with the
-configured policy loss through the learner's PPO update (also on Ray). Guides: ``docs/offline.md``,
+configured policy loss through the shared update stage (:class:`DistillCredit` in
+:class:`~trainers.loops.stage.UpdateStage`: the correction, the KL to the initial policy,
+whitening and clip work as in RLVR) and the learner's PPO update (also on Ray). Guides: ``docs/offline.md``,
 ``docs/distillation.md``.
 """
 
@@ -34,7 +36,6 @@ from typing import Any
 import torch
 
 from rollkit.losses import aggregate, distill_token_rewards, global_normalizers, on_policy_distill
-from rollkit.registry import ADVANTAGE_ESTIMATORS
 from trainers.config import (
     DISTILL_MODES,
     TEACHER_PLACEMENTS,
@@ -55,11 +56,13 @@ from trainers.loops.common import (
 )
 from trainers.loops.evaluation import greedy_accuracy
 from trainers.loops.parts import attach, build_parts
+from trainers.loops.update import SequenceCredit
 from trainers.roles import build_teacher, is_ray_teacher, teacher_config
 
 __all__ = [
     "DISTILL_MODES",
     "TEACHER_PLACEMENTS",
+    "DistillCredit",
     "DistillConfig",
     "DistillSettings",
     "DistillTrainer",
@@ -67,6 +70,67 @@ __all__ = [
     "teacher_config",
     "validate_distill",
 ]
+
+class DistillCredit:
+    """The credit of ``distill.mode=rl`` in the shared update stage
+    (:class:`~trainers.loops.stage.Credit`): per-token advantages
+    ``distill_token_rewards(rollout log-probs, teacher log-probs)`` (the teacher scored after the
+    stage's offload, timed as ``time/teacher``), minus the KL penalty per token
+    (``algorithm.kl.mode=reward``), plus ``distill.task_coef`` x the task advantages of the RLVR
+    credit (:class:`~trainers.loops.update.SequenceCredit`: ``algorithm.advantage`` over the
+    verifier's rewards, with its reward shaping and max-length mask). No critic
+    (``validate_distill`` refuses one)."""
+
+    def __init__(
+        self, trainer: DistillTrainer, groups: list[Group], batch: PackedBatch, timer: Timer,
+        metrics: dict[str, float],
+    ) -> None:  # fmt: skip
+        n = trainer.cfg.rollout.n
+        self.trainer, self.batch, self.timer = trainer, batch, timer
+        self.behavior = batch.old_logprobs  # the rollout's log-probs, whatever the stage recomputes
+        self.task = SequenceCredit(
+            trainer.update,
+            torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32),
+            torch.arange(len(groups)).repeat_interleave(n),
+            [g for _, gs, _ in groups for g in gs],
+            [p.domain for p, _, _ in groups for _ in range(n)],
+            batch.response_mask,
+            metrics,
+        )
+        self.group_ids = self.task.group_ids
+        self.kl_penalty: torch.Tensor | None = None
+
+    def penalize(self, kl_penalty: torch.Tensor, *, critic: bool, metrics: dict[str, float]) -> None:
+        self.kl_penalty = kl_penalty
+
+    def shape_rewards(self, metrics: dict[str, float]) -> None:
+        self.task.shape_rewards(metrics)
+
+    def advantages(self, entry: Any, kwargs: dict[str, Any], metrics: dict[str, float]) -> torch.Tensor:
+        tr, mask = self.trainer, self.batch.response_mask
+        d = tr.cfg.distill
+        with self.timer("teacher"):
+            t_lp = batch_logprobs(
+                tr.teacher, self.batch, micro_batch_size=tr.cfg.train.micro_batch_size, **tr._sampling()
+            ).to(mask.device)
+        adv = distill_token_rewards(self.behavior, t_lp, mask, coef=d.coef)
+        n_tok = mask.sum().clamp(min=1)
+        metrics["distill/reverse_kl"] = float(((self.behavior - t_lp) * mask).sum() / n_tok)
+        if self.kl_penalty is not None:
+            adv = adv - self.kl_penalty * mask
+        if d.task_coef:
+            adv = adv + d.task_coef * self.task.advantages(entry, kwargs, metrics)
+        return adv
+
+    def token_rewards(self) -> torch.Tensor:
+        raise ValueError("distill.mode=rl: no critic (its advantages are the teacher's per-token scores)")
+
+    def shape_advantages(self, batch: PackedBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        return self.task.shape_advantages(batch, adv, metrics)
+
+    def report(self, adv: torch.Tensor, metrics: dict[str, float]) -> None:
+        self.task.report(adv, metrics)
+
 
 class DistillTrainer:
     """On-policy distillation of ``cfg.model`` (the student) from ``distill.teacher``.
@@ -138,13 +202,13 @@ class DistillTrainer:
         groups, metrics, lengths = self.collector.collect(self.global_step, timer)
         if groups:
             batch = pack_generations([g for _, gs, _ in groups for g in gs], self.codec.pad_id)
-            if self.roles.offload:  # a colocated rollout sleeps, an offloaded train state returns
-                with timer("offload"):
-                    self.roles.sleep_rollout()
             if self.cfg.distill.mode == "loss":
+                if self.roles.offload:  # a colocated rollout sleeps, an offloaded train state returns
+                    with timer("offload"):
+                        self.roles.sleep_rollout()
                 with timer("train"):
                     metrics.update(self.distill_update(batch, timer))
-            else:
+            else:  # the shared update stage (it also puts a colocated rollout to sleep)
                 metrics.update(self.rl_update(groups, batch, timer))
             with timer("weight_sync"):
                 self.roles.push_weights(version=self.global_step + 1)
@@ -179,37 +243,13 @@ class DistillTrainer:
         return dict(sums)
 
     def rl_update(self, groups: list[Group], batch: PackedBatch, timer: Timer) -> dict[str, float]:
-        """``distill.mode=rl``: advantages ``distill_token_rewards(rollout log-probs, teacher)``
-        (+ ``task_coef`` x the task advantages), then the learner's PPO update."""
-        cfg, mask = self.cfg, batch.response_mask
-        with timer("teacher"):
-            t_lp = batch_logprobs(
-                self.teacher, batch, micro_batch_size=cfg.train.micro_batch_size, **self._sampling()
-            ).to(mask.device)
-        adv = distill_token_rewards(batch.old_logprobs, t_lp, mask, coef=cfg.distill.coef)
-        n_tok = mask.sum().clamp(min=1)
-        metrics = {"distill/reverse_kl": float(((batch.old_logprobs - t_lp) * mask).sum() / n_tok)}
-        if cfg.distill.task_coef:
-            adv = adv + cfg.distill.task_coef * self._task_advantages(groups, mask)
-        metrics["advantage/abs_mean"] = float(adv.abs().sum() / n_tok)
-        with timer("train"):
-            metrics.update(self.learner.update(batch, adv, None, seed=cfg.seed * 7919 + self.global_step))
+        """``distill.mode=rl``: the shared update stage (:class:`~trainers.loops.stage.UpdateStage`)
+        with :class:`DistillCredit`: advantages ``distill_token_rewards(rollout log-probs,
+        teacher)`` (+ ``task_coef`` x the task advantages), then the learner's PPO update."""
+        metrics: dict[str, float] = {}
+        credit = DistillCredit(self, groups, batch, timer, metrics)
+        metrics.update(self.update.run(batch, credit, self.global_step, timer))
         return metrics
-
-    def _task_advantages(self, groups: list[Group], mask: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` advantages of the verifier's rewards (``algorithm.advantage``)."""
-        a = self.cfg.algorithm
-        rewards = torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32)
-        group_ids = torch.arange(len(groups)).repeat_interleave(self.cfg.rollout.n)
-        avail = {
-            "rewards": rewards,
-            "group_ids": group_ids,
-            "response_mask": mask,
-            "response_length": mask.sum(-1),
-        }
-        adv = ADVANTAGE_ESTIMATORS.entry(a.advantage).call(avail, **a.advantage_kwargs)
-        adv = adv[0] if isinstance(adv, tuple) else adv
-        return (adv[:, None] if adv.dim() == 1 else adv) * mask
 
     def evaluate(self, prompts: list[Prompt] | None = None) -> dict[str, float]:
         """Greedy accuracy of the student on the held-out prompts."""

@@ -11,9 +11,11 @@ pipeline's :class:`Credit` (how its rewards are laid out) and runs::
     value update; its warm-up holds the policy] -> the learner's PPO update (every train rank)
 
 The credit is the only part a pipeline writes: :class:`~trainers.loops.update.SequenceCredit`
-(RLVR, distillation: one reward per sample, the overlong penalty, per-domain reward
-normalisation, the max-length mask) and :class:`~trainers.loops.agentic.TrajectoryCredit`
-(agents: episode, turn and state-group rewards; the KL penalty per turn). The bracketed options
+(RLVR: one reward per sample, the overlong penalty, per-domain reward normalisation, the
+max-length mask), :class:`~trainers.loops.distill.DistillCredit` (``distill.mode=rl``: the
+teacher's per-token scores, plus the RLVR credit's task advantages) and
+:class:`~trainers.loops.agentic.TrajectoryCredit` (agents: episode, turn and state-group
+rewards; the KL penalty per turn). The bracketed options
 (``algorithm.correction``, ``algorithm.kl.*``, ``algorithm.whiten_advantages``,
 ``algorithm.advantage_clip``, the critic) therefore mean the same in every trainer.
 """
