@@ -155,6 +155,9 @@ def _run_ray(
     if Ray is not initialised."""
     ray = require("ray")
     if not ray.is_initialized():
+        # the cells are the work: run them at this process's priority, not Ray's default worker
+        # nice 15 (as trainers.ray.init_ray does; set RAY_worker_niceness to keep Ray's default)
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(
             address=os.environ.get("RAY_ADDRESS") or "local",
             include_dashboard=False,

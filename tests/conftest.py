@@ -8,6 +8,11 @@ from hypothesis import HealthCheck, settings
 # waits on network retries (20-45 s a test) before it fails.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Every Ray session the tests start runs its workers at nice 0 (as trainers.ray.init_ray does),
+# not Ray's default 15: under a background CPU load a nice-15 actor gets a few percent of a core
+# (the CFS weight of nice 15 is 36 against 1,024 at nice 0), and the tests' deadlines measure that.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # Deterministic by default: the same examples on every run and machine.
 settings.register_profile(
     "default",

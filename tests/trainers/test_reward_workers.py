@@ -351,7 +351,7 @@ def ray_session():
 
 @pytest.mark.slow
 def test_ray_pool_failures(ray_session):
-    # 10 s: Ray reports an actor's death late on a loaded machine (its workers run at nice 15: a
+    # 10 s: Ray reports an actor's death late on a loaded machine (with Ray's default worker nice 15, a
     # dying one took over 2 s under two busy processes, and the crash counted as a timeout)
     with RewardPool(doubles.scripted, backend="ray", num_workers=2, timeout_s=10.0) as pool:
         run_failure_scenario(pool)

@@ -109,7 +109,7 @@ def ray_session():
 
 @pytest.mark.slow
 def test_ray_pool_retries_a_killed_sample(ray_session, tmp_path):
-    # 10 s: Ray reports an actor's death late on a loaded machine (its workers run at nice 15: a
+    # 10 s: Ray reports an actor's death late on a loaded machine (with Ray's default worker nice 15, a
     # dying one took over 2 s under two busy processes); a crash told after the deadline would
     # count as a timeout, which is never retried
     with RewardPool(DieOnce(tmp_path), backend="ray", num_workers=1, timeout_s=10.0, max_retries=2) as pool:

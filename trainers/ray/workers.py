@@ -74,6 +74,8 @@ def ray_module() -> Any:
 
 #: deadline of a remote call when the caller gives none (``ray.timeout_s`` in a config)
 DEFAULT_TIMEOUT_S = 1800.0
+#: the variable Ray's raylet reads the niceness of its worker processes from (Ray's default: 15)
+WORKER_NICENESS = "RAY_worker_niceness"
 
 
 class ActorCallError(RuntimeError):
@@ -114,8 +116,8 @@ def wait_all(refs: list[Any], names: Sequence[str], timeout_s: float, setting: s
 
 def init_ray(cfg: Config) -> None:
     """``ray.init`` once: ``ray.address=""`` joins ``RAY_ADDRESS`` if set, else starts a new local
-    Ray (``ray.num_cpus``, ``ray.object_store_mb``); ``"auto"`` / ``"host:port"`` connects to a
-    running cluster.
+    Ray (``ray.num_cpus``, ``ray.object_store_mb``; its workers at nice 0 unless
+    ``RAY_worker_niceness`` is set); ``"auto"`` / ``"host:port"`` connects to a running cluster.
     Does nothing if Ray is already initialised (e.g. by a test fixture)."""
     ray = ray_module()
     if ray.is_initialized():
@@ -133,6 +135,11 @@ def init_ray(cfg: Config) -> None:
         kw["num_cpus"] = cfg.ray.num_cpus
     if cfg.ray.object_store_mb:
         kw["object_store_memory"] = cfg.ray.object_store_mb * 2**20
+    # the actors do the run's work (generation, training): start them at the driver's priority,
+    # not Ray's default nice 15, at which any busy process on the node starves them (measured
+    # under two busy processes on 2 cores: a vLLM actor took minutes to start); set the variable
+    # to keep Ray's default
+    os.environ.setdefault(WORKER_NICENESS, "0")
     ray.init(address="local", **kw)
 
 
