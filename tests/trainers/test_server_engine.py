@@ -45,6 +45,7 @@ pytestmark = pytest.mark.slow
 ATOL = 1e-4
 # head_dim 32: vLLM's CPU attention has no head size 16 (the tiny model's default)
 MODEL_KW = {"hidden_size": 64, "heads": 2, "kv_heads": 1}
+STARTUP_S = 1800  # a server's start-up deadline (the fixture's and a replacement's)
 TINY = ["--model", "tiny", "model.tiny_heads=2", "model.tiny_kv_heads=1"]
 MAX_MODEL_LEN = 256
 TEXTS = ["7+5=", "What is 12+34? ", "Compute 3*9. "]
@@ -70,6 +71,9 @@ def engine(tok, base_model, tmp_path_factory):
             "rollout.num_servers=2",
             f"rollout.server_dir={run}",
             f"rollout.max_model_len={MAX_MODEL_LEN}",
+            # the start and a replacement's start wait as long as a loaded machine needs: under two
+            # busy processes and a second suite (load 12-16 on 2 cores) a replacement took over 600 s
+            f"rollout.server_startup_timeout_s={STARTUP_S}",
         ]
     )
     eng = make_rollout_engine(cfg, copy.deepcopy(base_model), tok, device="cpu")
@@ -429,7 +433,7 @@ def test_dead_local_server_is_replaced_with_the_current_weights(engine, tok, pro
     engine.restart = True
     os.killpg(engine._proc[0].process.pid, signal.SIGKILL)
     assert engine.check_health() == 0  # dropped; the replacement starts in the background
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + STARTUP_S + 60  # the event (a restart), capped past the start-up deadline
     while engine.metrics()["server/restarted"] < 1 and time.monotonic() < deadline:
         time.sleep(1)
     m = engine.metrics()
