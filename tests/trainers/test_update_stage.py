@@ -18,7 +18,7 @@ import torch
 from trainers.config import load_config
 from trainers.engines import HFRolloutEngine, SamplingParams, TorchTrainEngine, pack_generations
 from trainers.loops.common import Timer
-from trainers.loops.stage import UpdateStage
+from trainers.loops.stage import UpdateStage, row_advantages
 from trainers.models import char_tokenizer, tiny_qwen2
 from trainers.roles import build_roles
 
@@ -45,11 +45,7 @@ class TokenSumCredit:
 
     def advantages(self, entry, kwargs, metrics):
         self.calls.append("advantages")
-        inputs = {"rewards": self.rewards, "group_ids": self.group_ids, "response_mask": self.mask,
-                  "response_length": self.mask.sum(-1)}  # fmt: skip
-        adv = entry.call(inputs, **kwargs)
-        adv = adv[0] if isinstance(adv, tuple) else adv
-        return (adv[:, None] if adv.dim() == 1 else adv) * self.mask
+        return row_advantages(entry, self.rewards, self.group_ids, self.mask, kwargs)
 
     def token_rewards(self):
         raise AssertionError("no critic here")

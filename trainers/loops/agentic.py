@@ -43,7 +43,7 @@ from trainers.envs.turns import TurnEncoder
 from trainers.envs.wrappers import build_inner
 from trainers.learner import UpdateSpec, nll_loss
 from trainers.loops.common import Timer, read_checkpoint, run_fit, write_checkpoint
-from trainers.loops.stage import UpdateStage
+from trainers.loops.stage import UpdateStage, row_advantages
 from trainers.roles import build_roles
 
 __all__ = ["AgenticTrainer", "TrajectoryCredit", "build_agentic_engines", "plot_history", "trajectory_advantages", "turn_kl_penalty"]
@@ -114,15 +114,7 @@ def trajectory_advantages(
             )
         adv = out.reshape(out.shape[0], -1)[:, 0][batch.traj_ids][:, None] * mask
     else:
-        rows = {
-            "rewards": batch.rewards,
-            "group_ids": batch.group_ids,
-            "response_mask": mask,
-            "response_length": mask.sum(-1),
-        }
-        out = entry.call(rows, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        adv = (out[:, None] if out.dim() == 1 else out) * mask
+        adv = row_advantages(entry, batch.rewards, batch.group_ids, mask, kwargs)
     adv = torch.where(mask, adv, torch.zeros((), dtype=adv.dtype))
     metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
     return adv, metrics

@@ -37,7 +37,20 @@ from trainers.loops.common import Timer
 from trainers.loops.critic_step import CriticStep
 from trainers.roles import Roles
 
-__all__ = ["Credit", "UpdateStage"]
+__all__ = ["Credit", "UpdateStage", "row_advantages"]
+
+
+def row_advantages(
+    entry: Any, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]
+) -> torch.Tensor:
+    """``[B, T]`` advantages of the registry estimator ``entry`` over one reward per row
+    (``rewards``, ``group_ids`` ``[B]``; ``mask`` ``[B, T]`` the response): the RLVR inputs by
+    their keys (``rewards``, ``group_ids``, ``response_mask``, ``response_length``), a per-row
+    result broadcast over the row's tokens, 0 off ``mask``."""
+    inputs = {"rewards": rewards, "group_ids": group_ids, "response_mask": mask, "response_length": mask.sum(-1)}
+    out = entry.call(inputs, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    return (out[:, None] if out.dim() == 1 else out) * mask
 
 
 class Credit(Protocol):

@@ -37,7 +37,7 @@ from trainers.domains import domain_masks
 from trainers.engines.base import PackedBatch, pack_generations
 from trainers.loops.collect import Group
 from trainers.loops.common import Timer
-from trainers.loops.stage import UpdateStage
+from trainers.loops.stage import UpdateStage, row_advantages
 from trainers.roles import Roles
 
 __all__ = ["GroupUpdate", "SequenceCredit", "domain_metrics"]
@@ -109,14 +109,7 @@ class SequenceCredit:
             self.rewards = clip_rewards(self.rewards, low=-a.reward_clip, high=a.reward_clip)
 
     def advantages(self, entry: Any, kwargs: dict[str, Any], metrics: dict[str, float]) -> torch.Tensor:
-        mask = self.mask
-        adv = entry.call(
-            {"rewards": self.rewards, "group_ids": self.group_ids, "response_mask": mask,
-             "response_length": mask.sum(-1)},
-            **kwargs,
-        )  # fmt: skip
-        adv = adv[0] if isinstance(adv, tuple) else adv
-        return (adv[:, None] if adv.dim() == 1 else adv) * mask
+        return row_advantages(entry, self.rewards, self.group_ids, self.mask, kwargs)
 
     def token_rewards(self) -> torch.Tensor:
         pen = self.kl_penalty
