@@ -223,7 +223,6 @@ class AgenticTrainer:
         _check_env(cfg)
         self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)
         self._prewarmed = False
-        self._own_reference = reference is None and not cfg.ray.enabled
         positions = max(512, cfg.env.max_context)  # the tiny model's positions, when built here
         model = None
         if cfg.ray.enabled and (rollout_engine is None or train_engine is None):
@@ -241,7 +240,8 @@ class AgenticTrainer:
             self._set_tokenizer(self.roles.tokenizer)
         self.learner = self.roles.learner
         self.learner.spec = self.spec  # logprob_gap: the same update (and metrics) in process and on Ray
-        self.train = None if cfg.ray.enabled else self.roles.train  # in process: the train engine
+        self.train = getattr(self.learner, "engine", None)  # in process: the train engine; None on Ray
+        self._own_reference = reference is None and self.train is not None  # a frozen copy made here
         e = cfg.env
         self.rollout = EpisodeRunner(
             self.roles.rollout,
