@@ -196,8 +196,10 @@ class AgenticTrainer:
 
     Args:
         cfg: the configuration.
-        rollout_engine, train_engine, tokenizer: engines (default :func:`build_agentic_engines`);
-            the rollout engine must start with the train engine's weights.
+        rollout_engine, train_engine, tokenizer: engines (default: the shared roles'
+            :func:`~trainers.roles.build_roles`, in process or on Ray; :func:`build_agentic_engines`
+            builds the same in-process pair to pass in); the rollout engine must start with the
+            train engine's weights.
         runner: an :class:`~trainers.envs.workers.EnvWorkers` to play in (default: a new one).
         critic: the critic (:class:`~trainers.critic.Critic`) of ``algorithm.advantage`` gae /
             asyppo; default: built from ``critic.*`` (``critic.model_path`` or ``model`` afresh).
