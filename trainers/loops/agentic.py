@@ -4,7 +4,7 @@
 
     collect (lock-step | env-level async | async + redundant environments; faulty envs dropped and
     replaced) -> one sequence per episode (or one row per turn), response_mask False on env
-    tokens -> the shared update stage (:class:`~trainers.loops.stage.UpdateStage`: [recompute,
+    tokens -> the shared update stage (UpdateStage: [recompute,
     correction per turn] -> [reference / KL, the penalty per turn] -> advantages (registry name:
     "starpo" per trajectory, "gigpo" per step with state groups, any outcome estimator; or GAE
     over a critic) -> [whitening, clip] -> [critic update] -> the PPO update) -> push weights -> log
