@@ -28,6 +28,7 @@ from trainers.engines.requests import (
     as_request_engine,
 )
 from trainers.engines.server_rollout import ServerRolloutEngine
+from trainers.engines.step import StepBatch
 from trainers.engines.torch_train import TorchTrainEngine, token_logprobs
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "ServerRolloutEngine",
+    "StepBatch",
     "TorchTrainEngine",
     "TrainEngine",
     "VLLMRequestEngine",
