@@ -46,6 +46,7 @@ import torch
 
 from trainers.deps import require
 from trainers.engines import TorchTrainEngine, pack
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateSpec, micro_batches, ppo_update
 
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 copy.deepcopy(model), optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-4), **kw
             )
             t0 = time.perf_counter()
-            m = ppo_update(eng, b, adv, spec).metrics()
+            m = ppo_update(eng, StepBatch.from_packed(b, advantages=adv), spec).metrics()
             if i >= a.warmup:
                 times[name].append(time.perf_counter() - t0)
                 print(f"round {i}: {name}: {times[name][-1]:.1f} s", file=sys.stderr, flush=True)

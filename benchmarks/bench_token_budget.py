@@ -36,6 +36,7 @@ import torch
 
 from trainers.deps import require
 from trainers.engines import TorchTrainEngine, pack
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateSpec, ppo_update
 
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 copy.deepcopy(model), optimizer_factory=lambda p: torch.optim.SGD(p, lr=1e-3)
             )
             t0 = time.perf_counter()
-            m = ppo_update(eng, b, adv, spec).metrics()
+            m = ppo_update(eng, StepBatch.from_packed(b, advantages=adv), spec).metrics()
             if i:
                 times[name].append(time.perf_counter() - t0)
             info[name] = {"padding_frac": m["train/padding_frac"]}

@@ -21,13 +21,22 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from rollkit.correction import correction_weights, mismatch_stats, reduce_mismatch_stats
-from rollkit.keys import STEP_IDS
+from rollkit.keys import (
+    ADVANTAGES,
+    BEHAVIOR_LOGPROBS,
+    IS_WEIGHTS,
+    LOGPROBS,
+    OLD_LOGPROBS,
+    REF_LOGPROBS,
+    RESPONSE_MASK,
+)
 from rollkit.losses import aggregate, global_normalizers
 from rollkit.packing import pack_bins
 from rollkit.registry import POLICY_LOSSES, REGULARIZERS, Entry
 from trainers.config import Config
 from trainers.data import Prompt, encode_prompt
 from trainers.engines.base import PackedBatch, TrainEngine, pack
+from trainers.engines.step import ENTROPY_KEEP, TOKEN_KEEP, StepBatch
 
 __all__ = [
     "Learner",
@@ -35,6 +44,7 @@ __all__ = [
     "UpdateSpec",
     "UpdateStats",
     "apply_correction",
+    "loss_inputs",
     "loss_mask",
     "micro_batches",
     "needs_recompute",
@@ -134,9 +144,12 @@ def rollout_kl(
     return kl, float(kl.sum() / mask.sum().clamp(min=1))
 
 
-def loss_mask(batch: PackedBatch) -> torch.Tensor:
+def loss_mask(batch: StepBatch | PackedBatch) -> torch.Tensor:
     """``[B, T]`` the tokens the loss trains on: the response, minus those the mismatch
-    correction rejected (``batch.keep``). The global normalisers count these tokens."""
+    correction or the max-length mask rejected (``token_keep``; a packed batch's ``keep``). The
+    global normalisers count these tokens."""
+    if isinstance(batch, StepBatch):
+        return batch.loss_mask
     return batch.response_mask if batch.keep is None else batch.response_mask & batch.keep
 
 
@@ -146,23 +159,23 @@ def needs_recompute(correction: Any) -> bool:
 
 
 def apply_correction(
-    batch: PackedBatch, correction: Any, segment_ids: torch.Tensor | None = None
+    batch: StepBatch, correction: Any, segment_ids: torch.Tensor | None = None
 ) -> dict[str, float]:
-    """Set ``batch.is_weights`` / ``batch.keep`` from ``algorithm.correction`` (a
+    """Add ``is_weights`` and ``token_keep`` to ``batch`` from ``algorithm.correction`` (a
     :class:`~trainers.config.CorrectionConfig`) with :func:`rollkit.correction.correction_weights`
     of the trainer's old log-probs against the behaviour ones; returns ``correction/*`` metrics.
     Nothing to do when the level is ``"off"`` or the batch has no separate behaviour log-probs.
     ``segment_ids`` (``[B, T]``, level ``"segment"``): the turn of each token; without them
     the whole response is one segment."""
     c = correction
-    if c.level == "off" or batch.behavior_logprobs is None:
+    if c.level == "off" or batch.get(BEHAVIOR_LOGPROBS) is None:
         return {}
-    mask = batch.response_mask
+    mask = batch[RESPONSE_MASK]
     if c.level == "segment" and segment_ids is None:
         segment_ids = torch.zeros_like(mask, dtype=torch.long)
     out = correction_weights(
-        batch.old_logprobs,
-        batch.behavior_logprobs,
+        batch[OLD_LOGPROBS],
+        batch[BEHAVIOR_LOGPROBS],
         mask,
         level=c.level,
         segment_ids=segment_ids,
@@ -172,47 +185,55 @@ def apply_correction(
         seq_k3_max=c.seq_k3_max or None,
         reject=c.reject,
     )
-    batch.is_weights, batch.keep = out.weights, out.keep
+    batch[IS_WEIGHTS] = out.weights
+    batch.keep_tokens(out.keep)
     return {f"correction/{k}": float(v) for k, v in out.metrics.items()}
 
 
+#: keys of the step batch that the learner applies itself (not handed to the policy loss): the
+#: correction's weights multiply every loss's per-token terms alike
+_LEARNER_KEYS = (IS_WEIGHTS,)
+
+
+def loss_inputs(mb: StepBatch, logprobs: torch.Tensor) -> dict[str, Any]:
+    """What a policy loss's registry call reads (by key): the micro-batch's keys, plus
+    ``logprobs`` (the trainer's, with gradient), ``response_mask`` = the loss mask
+    (:func:`loss_mask`) and ``behavior_logprobs`` = the old ones where the rollout's are the
+    same; ``is_weights`` stay with the learner."""
+    avail: dict[str, Any] = {k: v for k, v in mb.items() if k not in _LEARNER_KEYS}
+    avail[LOGPROBS] = logprobs
+    avail[RESPONSE_MASK] = mb.loss_mask
+    avail[BEHAVIOR_LOGPROBS] = mb.get(BEHAVIOR_LOGPROBS, mb[OLD_LOGPROBS])
+    return avail
+
+
 def _micro_batch_loss(
-    engine: TrainEngine,
-    mb: PackedBatch,
-    advantages: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    spec: UpdateSpec,
-    loss_entry: Entry,
-    norms: dict[str, Any],
+    engine: TrainEngine, mb: StepBatch, spec: UpdateSpec, loss_entry: Entry, norms: dict[str, Any]
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor, torch.Tensor]:
     """``(loss, loss metrics, log-probs, entropy)`` of one micro-batch: the policy loss (+ the
     entropy and KL terms), each aggregated with the mini-batch's global normalisers."""
+    view = mb.view()
     lp, ent = engine.logprobs(
-        mb.input_ids,
-        mb.attention_mask,
-        mb.response_mask,
+        view.input_ids,
+        view.attention_mask,
+        view.response_mask,
         temperature=spec.temperature,
         top_k=spec.top_k,
         top_p=spec.top_p,
         with_entropy=True,
-        **mb.model_inputs(),
+        **view.model_inputs(),
     )
-    mask = loss_mask(mb)
-    avail = {
-        "logprobs": lp,
-        "old_logprobs": mb.old_logprobs,
-        "behavior_logprobs": mb.old_logprobs if mb.behavior_logprobs is None else mb.behavior_logprobs,
-        "advantages": advantages,
-        "response_mask": mask,
-        STEP_IDS: mb.step_ids,  # the turn of each token (IPA's chunks); None: not passed
-    }
-    out = loss_entry.call(avail, **spec.policy_loss_kwargs)
-    pg = out.loss if mb.is_weights is None else out.loss * mb.is_weights
+    mask = mb.loss_mask
+    out = loss_entry.call(loss_inputs(mb, lp), **spec.policy_loss_kwargs)
+    is_weights = mb.get(IS_WEIGHTS)
+    pg = out.loss if is_weights is None else out.loss * is_weights
     loss = aggregate(pg, mask, spec.aggregation, **norms)
     if spec.entropy_coef:
         e = REGULARIZERS.get("entropy")(ent, mask, coef=spec.entropy_coef)
-        e_loss = e.loss if mb.entropy_keep is None else e.loss * mb.entropy_keep  # AsyPPO's filter
+        keep = mb.get(ENTROPY_KEEP)
+        e_loss = e.loss if keep is None else e.loss * keep  # AsyPPO's filter
         loss = loss + aggregate(e_loss, mask, spec.aggregation, **norms)
+    ref_logprobs = mb.get(REF_LOGPROBS)
     if ref_logprobs is not None and spec.kl_in_loss:
         kl = REGULARIZERS.get("kl")(lp, ref_logprobs, mask, estimator=spec.kl_estimator, coef=spec.kl_coef)
         loss = loss + aggregate(kl.loss, mask, spec.aggregation, **norms)
@@ -221,11 +242,9 @@ def _micro_batch_loss(
 
 def ppo_update(
     engine: TrainEngine,
-    batch: PackedBatch,
-    advantages: torch.Tensor,  # [B, T], 0 outside the response
+    batch: StepBatch,
     spec: UpdateSpec,
     *,
-    ref_logprobs: torch.Tensor | None = None,  # [B, T]; used when spec.kl_in_loss
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
@@ -233,6 +252,12 @@ def ppo_update(
     """``ppo_epochs`` x mini-batches x micro-batches of policy loss on ``engine``, in this
     process or on each data-parallel rank of a Ray train group. Returns the rank's
     :class:`UpdateStats`.
+
+    ``batch`` is the step batch (:class:`~trainers.engines.step.StepBatch`) with at least
+    ``advantages`` ``[B, T]`` (0 outside the response) and ``old_logprobs``; ``ref_logprobs``
+    is used when ``spec.kl_in_loss``, ``behavior_logprobs`` / ``is_weights`` / ``token_keep``
+    (the correction), ``entropy_keep`` (AsyPPO) and ``step_ids`` (IPA) when present; the
+    policy loss reads its inputs from it by key (:func:`loss_inputs`).
 
     Every rank gets the same ``batch`` and ``seed`` (so the same mini-batch order) and takes
     its contiguous share ``rows_m.tensor_split(world_size)[rank]`` of each mini-batch
@@ -259,8 +284,13 @@ def ppo_update(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if not isinstance(batch, StepBatch):
+        raise ValueError(f"ppo_update: batch is a {type(batch).__name__}, not a StepBatch (StepBatch.from_packed)")
+    missing = [k for k in (ADVANTAGES, OLD_LOGPROBS) if k not in batch]
+    if missing:
+        raise ValueError(f"ppo_update: the step batch has no {missing} (it has {sorted(batch)})")
     loss_entry = POLICY_LOSSES.entry(spec.policy_loss)
-    mask = loss_mask(batch)
+    mask = batch.loss_mask
     B = mask.shape[0]
     mini = spec.mini_batch_size or B
     gen = torch.Generator().manual_seed(seed)
@@ -274,21 +304,17 @@ def ppo_update(
             for rows in micro_batches(batch, rows_m, spec, rank=rank, world_size=world_size):
                 pad = len(rows) == 0  # this rank's share ran out: a masked row keeps collectives aligned
                 rows = rows_m[:1] if pad else rows
-                mb = batch[rows]
+                mb = batch.rows(rows)
                 if pad:
-                    mb.response_mask = torch.zeros_like(mb.response_mask)
-                    mb.keep = None
-                ref = None if ref_logprobs is None else ref_logprobs[rows]
-                loss, loss_metrics, lp, ent = _micro_batch_loss(
-                    engine, mb, advantages[rows], ref, spec, loss_entry, norms
-                )
+                    mb = mb.replace(**{RESPONSE_MASK: torch.zeros_like(mb[RESPONSE_MASK]), TOKEN_KEEP: None})
+                loss, loss_metrics, lp, ent = _micro_batch_loss(engine, mb, spec, loss_entry, norms)
                 engine.backward(loss)
                 if not pad:
-                    _add_micro_batch_stats(stats, mb, loss_metrics, lp, ent, spec)
-                    _add_padding_stats(stats, mb, spec.packing)
+                    _add_micro_batch_stats(stats, mb.view(), loss_metrics, lp, ent, spec)
+                    _add_padding_stats(stats, mb.view(), spec.packing)
                     if spec.mismatch and epoch == 0 and m0 == 0:  # the weights that sampled (sync)
-                        behavior = mb.old_logprobs if mb.behavior_logprobs is None else mb.behavior_logprobs
-                        stats.mismatch.append(mismatch_stats(lp.detach(), behavior, mb.response_mask))
+                        behavior = mb.get(BEHAVIOR_LOGPROBS, mb[OLD_LOGPROBS])
+                        stats.mismatch.append(mismatch_stats(lp.detach(), behavior, mb[RESPONSE_MASK]))
             for k, v in engine.step().items():
                 if rank == 0:
                     stats.add(f"optim/{k}", v)
@@ -319,7 +345,7 @@ def pack_by_tokens(
 
 
 def micro_batches(
-    batch: PackedBatch, rows_m: torch.Tensor, spec: UpdateSpec, *, rank: int = 0, world_size: int = 1
+    batch: StepBatch | PackedBatch, rows_m: torch.Tensor, spec: UpdateSpec, *, rank: int = 0, world_size: int = 1
 ) -> list[torch.Tensor]:
     """This rank's micro-batches (row indices) of the mini-batch ``rows_m``: its contiguous
     share ``rows_m.tensor_split(world_size)[rank]`` in micro-batches of ``micro_batch_size`` rows
@@ -328,6 +354,7 @@ def micro_batches(
     each row's real tokens, bins by :func:`rollkit.packing.pack_bins`, first-fit decreasing).
     Every rank gets as many micro-batches as the rank with the most (empty ones where its share
     ran out), so collectives stay aligned."""
+    batch = batch.view() if isinstance(batch, StepBatch) else batch
     resp = batch.response_mask.sum(-1)
     shares = rows_m.tensor_split(world_size)
     if spec.max_tokens_per_micro_batch and getattr(spec, "packing", False):
@@ -381,9 +408,9 @@ class Learner(Protocol):
     """The train role as the loops see it (in process: :class:`LocalLearner`; on Ray: a
     :class:`~trainers.ray.RayTrainGroup`)."""
 
-    def update(
-        self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
-    ) -> dict[str, float]: ...
+    def update(self, batch: StepBatch, *, seed: int) -> dict[str, float]:
+        """The PPO update on the step batch (its ``advantages``, ``old_logprobs`` and the
+        optional keys :func:`ppo_update` reads); returns the update's metrics."""
 
     def export_weights(self) -> Any: ...
 
@@ -400,12 +427,8 @@ class LocalLearner:
     def __init__(self, engine: TrainEngine, spec: UpdateSpec) -> None:
         self.engine, self.spec = engine, spec
 
-    def update(
-        self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
-    ) -> dict[str, float]:
-        return ppo_update(
-            self.engine, batch, advantages, self.spec, ref_logprobs=ref_logprobs, seed=seed
-        ).metrics()
+    def update(self, batch: StepBatch, *, seed: int) -> dict[str, float]:
+        return ppo_update(self.engine, batch, self.spec, seed=seed).metrics()
 
     def export_weights(self) -> Any:
         return self.engine.export_weights()

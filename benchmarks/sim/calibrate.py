@@ -38,6 +38,7 @@ from trainers.config import load_config
 from trainers.engines.base import Generation, SamplingParams, pack_generations
 from trainers.engines.build import build_model, make_rollout_engine, make_train_engine
 from trainers.engines.requests import Request, as_request_engine
+from trainers.engines.step import StepBatch
 from trainers.learner import LocalLearner, UpdateSpec
 
 #: (batch, new tokens) per engine; L = 1 is a prefill
@@ -131,7 +132,7 @@ def _update_fn(cfg, model, prompts: int, n: int, resp: int, mb: int, sort: bool,
             gens.append(Generation(i, p, ids, [-1.0] * resp, "length"))
     batch = pack_generations(gens, 0)
     adv = torch.where(torch.rand(len(gens), generator=g) < 0.5, -1.0, 1.0)[:, None] * batch.response_mask
-    return lambda: learner.update(batch, adv, None, seed=0)
+    return lambda: learner.update(StepBatch.from_packed(batch, advantages=adv), seed=0)
 
 
 def _min_time(fn, calls: int) -> tuple[float, float]:

@@ -22,6 +22,7 @@ from rollkit.rewards import token_level_rewards
 from trainers.config import load_config, validate
 from trainers.critic import CriticSpec, LocalCritic, build_critic, response_values, value_model, value_update
 from trainers.engines import TorchTrainEngine, pack
+from trainers.engines.step import StepBatch
 from trainers.learner import supervised_warmup
 from trainers.loops import AsyncTrainer, SyncTrainer
 from trainers.loops.critic_step import CriticStep
@@ -194,7 +195,7 @@ def test_the_gae_path_a_loop_trains_on_by_hand(tok):
         critic.engines[0].model.score.bias.fill_(c)
     b = _batch()
     scores = torch.tensor([1.0, 0.0, 0.5, 1.0])
-    step = CriticStep(cfg, critic, b, torch.tensor([0, 0, 1, 1]), step=0)
+    step = CriticStep(cfg, critic, StepBatch.from_packed(b), torch.tensor([0, 0, 1, 1]), step=0)
     metrics = {}
     adv = step.advantages(token_level_rewards(scores, b.response_mask), metrics)
     lens = [2, 3, 1, 3]
@@ -207,7 +208,7 @@ def test_the_gae_path_a_loop_trains_on_by_hand(tok):
     # KL as a reward penalty: -coef * KL_t on every token, the score on the last
     kl = torch.full((4, 3), 0.1)
     tr = token_level_rewards(scores, b.response_mask, kl=kl, kl_coef=0.5)
-    adv2 = CriticStep(cfg, critic, b, torch.tensor([0, 0, 1, 1]), step=0).advantages(tr, {})
+    adv2 = CriticStep(cfg, critic, StepBatch.from_packed(b), torch.tensor([0, 0, 1, 1]), step=0).advantages(tr, {})
     # row 1 (3 tokens, R = 0): delta = (-0.05, -0.05, -0.05 - c)
     d = [-0.05, -0.05, -0.05 - c]
     expect = [d[0] + 0.5 * d[1] + 0.25 * d[2], d[1] + 0.5 * d[2], d[2]]
@@ -223,12 +224,15 @@ def test_asyppo_step_shards_masks_and_trains_each_critic_on_its_shard(tok):
             torch.nn.init.normal_(e.model.score.weight, std=0.3, generator=torch.Generator().manual_seed(k))
     b = _batch()
     gids = torch.tensor([0, 0, 1, 1])
-    step = CriticStep(cfg, critic, b, gids, step=0)
+    sb = StepBatch.from_packed(b)
+    step = CriticStep(cfg, critic, sb, gids, step=0)
     metrics = {}
     adv = step.advantages(token_level_rewards(torch.tensor([1.0, 0.0, 0.5, 1.0]), b.response_mask), metrics)
     n = int(b.response_mask.sum())
     assert metrics["asyppo/advantage_masked_frac"] == pytest.approx(int(0.2 * n) / n)
-    assert b.entropy_keep is not None and int((~b.entropy_keep & b.response_mask).sum()) == int(0.2 * n)
+    keep_h = sb["entropy_keep"]  # the step batch carries AsyPPO's entropy filter to the learner
+    assert int((~keep_h & b.response_mask).sum()) == int(0.2 * n)
+    assert torch.equal(sb["returns"], step.returns) and sb["values"].shape == b.response_mask.shape
     assert torch.equal(step.shards, critic_shards(gids, 2, level="response", seed=cfg.seed * 7919))
     assert bool((adv[~step.advantage_keep] == 0).all())
     before = [copy.deepcopy(e.model.state_dict()) for e in critic.engines]

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 import torch
 
 from trainers.engines import HFRolloutEngine, SamplingParams, TorchTrainEngine, pack_generations
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateSpec, ppo_update
 from trainers.models import char_tokenizer, tiny_qwen2
 
@@ -56,7 +57,7 @@ def test_ppo_update_with_lean_logprobs(setup):
     adv = torch.linspace(-1, 1, b.input_ids.shape[0])[:, None] * b.response_mask
     spec = UpdateSpec(temperature=0.9, micro_batch_size=5, entropy_coef=0.01)
     engines = [TorchTrainEngine(copy.deepcopy(model), lr=1e-3, logprob_chunk_tokens=c) for c in (0, 16)]
-    metrics = [ppo_update(e, b, adv, spec).metrics() for e in engines]
+    metrics = [ppo_update(e, StepBatch.from_packed(b, advantages=adv), spec).metrics() for e in engines]
     assert abs(metrics[0]["loss/ratio_mean"] - metrics[1]["loss/ratio_mean"]) < 1e-6
     w0, w1 = (dict(e.export_weights()) for e in engines)
     assert max(float((w0[k] - w1[k]).abs().max()) for k in w0) < 1e-5

@@ -8,6 +8,7 @@ import torch
 
 from rollkit.losses import aggregate, ipa_loss
 from trainers.engines.base import PackedBatch
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateSpec, ppo_update
 
 
@@ -44,7 +45,7 @@ def test_ppo_update_passes_step_ids_to_the_ipa_loss():
     batch, adv, theta = _batch()
     spec = UpdateSpec(policy_loss="ipa", micro_batch_size=1, policy_loss_kwargs={"clip_high": 0.5})
     engine = _TableEngine(theta)
-    stats = ppo_update(engine, batch, adv, spec)
+    stats = ppo_update(engine, StepBatch.from_packed(batch, advantages=adv), spec)
     assert stats.metrics()["loss/num_chunks"] > 1  # per micro-batch: a row's turns, not one chunk
     # the reference: the whole batch at once, chunks = the turns
     lp = theta.clone().requires_grad_(True)

@@ -21,6 +21,7 @@ from trainers.config import load_config
 from trainers.critic import build_critic
 from trainers.engines import TorchTrainEngine, pack
 from trainers.engines.packed import PACKED_ATTENTION, enable_packing, packed_attention_forward
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateSpec, micro_batches, ppo_update
 from trainers.models import char_tokenizer, tiny_qwen2
 
@@ -231,7 +232,7 @@ def test_an_update_with_packing_gives_the_padded_update(tok):
             b.old_logprobs = TorchTrainEngine(copy.deepcopy(tiny_qwen2(tok, seed=0))).logprobs(ids, am, rm)
         spec = UpdateSpec(micro_batch_size=2, mini_batch_size=4, max_tokens_per_micro_batch=20 if packing else 0,
                           packing=packing, entropy_coef=0.01)  # fmt: skip
-        stats = ppo_update(eng, b, adv, spec, seed=0)
+        stats = ppo_update(eng, StepBatch.from_packed(b, advantages=adv), spec, seed=0)
         weights[packing] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
         if packing:
             assert stats.metrics()["train/padding_frac"] == 0.0

@@ -28,6 +28,7 @@ from _tiny_rl import RL_OVERRIDES, fit_and_check_learning
 
 from trainers.config import load_config
 from trainers.engines import Generation, SamplingParams, TorchTrainEngine, pack_generations
+from trainers.engines.step import StepBatch
 from trainers.learner import LocalLearner, UpdateSpec, supervised_warmup
 from trainers.loops import SyncTrainer
 from trainers.loops.lengths import LengthSampler
@@ -152,11 +153,11 @@ def test_disaggregated_across_nodes_and_two_ranks_equal_one(cluster, tok, warm_m
         )
         batch = pack_generations(gens, tok.pad_token_id)
         adv = torch.linspace(-1, 1, 7)[:, None] * batch.response_mask
-        m2 = tr.train.update(batch, adv, None, seed=5)
+        m2 = tr.train.update(StepBatch.from_packed(batch, advantages=adv), seed=5)
         local = copy.deepcopy(warm_model)
         local.load_state_dict(w0, strict=False)
         eng = TorchTrainEngine(local, lr=1e-3, grad_clip=cfg.train.grad_clip)
-        m1 = LocalLearner(eng, UpdateSpec.from_config(cfg)).update(batch, adv, None, seed=5)
+        m1 = LocalLearner(eng, UpdateSpec.from_config(cfg)).update(StepBatch.from_packed(batch, advantages=adv), seed=5)
         w2 = dict(tr.train.weights())
         w1 = dict(eng.export_weights())
         # The ranks sum the gradient in another order over other micro-batches (other padding), so
@@ -555,11 +556,11 @@ def test_megatron_tensor_parallel_on_ray_equals_one_rank(cluster, tok, warm_mode
         )
         batch = pack_generations(gens, tok.pad_token_id)
         adv = torch.linspace(-1, 1, 5)[:, None] * batch.response_mask
-        m2 = tr.train.update(batch, adv, None, seed=5)
+        m2 = tr.train.update(StepBatch.from_packed(batch, advantages=adv), seed=5)
         local = copy.deepcopy(warm_model)
         local.load_state_dict(w0, strict=False)
         eng = TorchTrainEngine(local, lr=1e-3, grad_clip=cfg.train.grad_clip)
-        m1 = LocalLearner(eng, UpdateSpec.from_config(cfg)).update(batch, adv, None, seed=5)
+        m1 = LocalLearner(eng, UpdateSpec.from_config(cfg)).update(StepBatch.from_packed(batch, advantages=adv), seed=5)
         w1, w2 = dict(eng.export_weights()), dict(tr.train.weights())
         assert list(w1) == list(w2)
         tol = (

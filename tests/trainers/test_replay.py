@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 import torch
 
 from trainers.engines import HFRolloutEngine, SamplingParams, TorchTrainEngine, pack_generations
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateSpec, ppo_update
 from trainers.models import char_tokenizer, save_model, tiny_qwen2
 
@@ -88,10 +89,10 @@ def test_on_policy_ppo_ratio_is_one(tok, model):
     batch = pack_generations(gens, tok.pad_token_id)
     adv = torch.linspace(-1, 1, len(gens))[:, None] * batch.response_mask
     replay = UpdateSpec(temperature=0.9, top_k=20, top_p=0.8, mismatch=True)
-    m = ppo_update(TorchTrainEngine(copy.deepcopy(model)), batch, adv, replay).metrics()
+    m = ppo_update(TorchTrainEngine(copy.deepcopy(model)), StepBatch.from_packed(batch, advantages=adv), replay).metrics()
     assert abs(m["loss/ratio_mean"] - 1) < 1e-5 and m["loss/clip_frac"] == 0
     assert m["mismatch/k3"] < 1e-9 and m["mismatch/ess_frac"] > 1 - 1e-6
     plain = ppo_update(
-        TorchTrainEngine(copy.deepcopy(model)), batch, adv, UpdateSpec(temperature=0.9)
+        TorchTrainEngine(copy.deepcopy(model)), StepBatch.from_packed(batch, advantages=adv), UpdateSpec(temperature=0.9)
     ).metrics()
     assert plain["loss/ratio_mean"] < 0.95 and plain["loss/clip_frac"] > 0

@@ -189,10 +189,10 @@ class Spy:
                 spy.rewards.append(inputs["rewards"].clone())
                 return entry.call(inputs, **kw)
 
-        def update(batch, adv, ref, *, seed):
-            spy.batches.append(batch)
-            spy.advantages.append(adv.clone())
-            return learner_update(batch, adv, ref, seed=seed)
+        def update(batch, *, seed):
+            spy.batches.append(batch.view())  # the packed view: keep, old / behaviour log-probs
+            spy.advantages.append(batch["advantages"].clone())
+            return learner_update(batch, seed=seed)
 
         tr.update.adv_entry = Entry()
         tr.learner.update = update

@@ -20,6 +20,7 @@ from _tiny_rl import RL_OVERRIDES, fit_and_check_learning
 from trainers.config import load_config
 from trainers.engines import HFRolloutEngine, TorchTrainEngine
 from trainers.engines.build import fast_bf16
+from trainers.engines.step import StepBatch
 from trainers.learner import supervised_warmup
 from trainers.loops import SyncTrainer
 from trainers.loops.lengths import LengthSampler
@@ -274,7 +275,7 @@ def test_ppo_update_is_the_old_update_exactly(tmp_path):
     engines = [TorchTrainEngine(copy.deepcopy(model), lr=1e-2) for _ in range(2)]
     old = _old_update(engines[0], batch, adv, ref_lp, cfg, seed=11)
     new = ppo_update(
-        engines[1], batch, adv, UpdateSpec.from_config(cfg), ref_logprobs=ref_lp, seed=11
+        engines[1], StepBatch.from_packed(batch, advantages=adv, ref_logprobs=ref_lp), UpdateSpec.from_config(cfg), seed=11
     ).metrics()
     added = set(new) - set(old)  # the mismatch diagnostics and padding share came later
     assert all(k.startswith("mismatch/") or k == "train/padding_frac" for k in added), added
@@ -348,8 +349,8 @@ def test_sort_by_length_gives_the_same_update():
     spec = UpdateSpec(micro_batch_size=3, aggregation="seq-mean-token-mean")
     copies = [copy.deepcopy(model) for _ in range(2)]  # SGD: the weight change is the gradient
     engines = [TorchTrainEngine(m, optimizer=torch.optim.SGD(m.parameters(), lr=1.0)) for m in copies]
-    m0 = ppo_update(engines[0], batch, adv, spec, seed=1).metrics()
-    m1 = ppo_update(engines[1], batch, adv, dataclasses.replace(spec, sort_by_length=True), seed=1).metrics()
+    m0 = ppo_update(engines[0], StepBatch.from_packed(batch, advantages=adv), spec, seed=1).metrics()
+    m1 = ppo_update(engines[1], StepBatch.from_packed(batch, advantages=adv), dataclasses.replace(spec, sort_by_length=True), seed=1).metrics()
     assert m0.keys() == m1.keys()
     for (_, a), (_, b) in zip(engines[0].export_weights(), engines[1].export_weights()):
         assert torch.allclose(a, b, atol=1e-6)

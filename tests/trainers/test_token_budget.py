@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rollkit.registry import AGGREGATIONS
 from trainers.engines import TorchTrainEngine, pack
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateSpec, micro_batches, pack_by_tokens, ppo_update
 from trainers.models import char_tokenizer, tiny_qwen2
 
@@ -73,7 +74,7 @@ def test_token_budget_gives_the_gradient_of_fixed_micro_batches(batch, aggregati
         UpdateSpec(aggregation=aggregation, max_tokens_per_micro_batch=64),
     ):
         eng = TorchTrainEngine(copy.deepcopy(model), optimizer_factory=lambda p: torch.optim.SGD(p, lr=1.0))
-        stats = ppo_update(eng, b, adv, spec).metrics()
+        stats = ppo_update(eng, StepBatch.from_packed(b, advantages=adv), spec).metrics()
         assert 0 <= stats["train/padding_frac"] < 1
         weights.append(dict(eng.export_weights()))
     moved = max(float((weights[0][k] - v.detach()).abs().max()) for k, v in model.named_parameters())

@@ -17,6 +17,7 @@ import torch
 
 from trainers.config import load_config
 from trainers.engines import HFRolloutEngine, SamplingParams, TorchTrainEngine, pack_generations
+from trainers.engines.step import StepBatch
 from trainers.loops.common import Timer
 from trainers.loops.stage import UpdateStage, row_advantages
 from trainers.models import char_tokenizer, tiny_qwen2
@@ -45,7 +46,7 @@ class TokenSumCredit:
 
     def advantages(self, entry, kwargs, metrics):
         self.calls.append("advantages")
-        return row_advantages(entry, self.rewards, self.group_ids, self.mask, kwargs)
+        return row_advantages(entry, {"rewards": self.rewards, "group_ids": self.group_ids, "response_mask": self.mask}, kwargs)
 
     def token_rewards(self):
         raise AssertionError("no critic here")
@@ -70,15 +71,15 @@ def test_a_new_pipeline_is_a_credit(tmp_path):
         gens = roles.rollout.generate(
             [tok("1+2=").input_ids, tok("3+4=").input_ids], SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=0)
         )
-        batch = pack_generations(gens, tok.pad_token_id)
-        credit = TokenSumCredit(batch, group_size=4)
+        batch = StepBatch.from_packed(pack_generations(gens, tok.pad_token_id))
+        credit = TokenSumCredit(batch.view(), group_size=4)
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         seen = {}
         update = roles.learner.update
 
-        def spy(b, adv, ref, *, seed):
-            seen.update(adv=adv, ref=ref, batch=b)
-            return update(b, adv, ref, seed=seed)
+        def spy(b, *, seed):
+            seen.update(adv=b["advantages"], ref=b.get("ref_logprobs"), batch=b)
+            return update(b, seed=seed)
 
         roles.learner.update = spy
         m = UpdateStage(cfg, roles).run(batch, credit, 0, Timer())
@@ -86,8 +87,11 @@ def test_a_new_pipeline_is_a_credit(tmp_path):
         assert credit.calls == ["penalize", "shape_rewards", "advantages", "shape_advantages", "report"]
         assert credit.penalty is not None and m["kl/rollout"] >= 0 and m["length/mean"] > 0
         # the learner got the credit's advantages, whitened over the trained tokens
-        adv, mask = seen["adv"], batch.response_mask
+        adv, mask = seen["adv"], batch["response_mask"]
         assert seen["batch"] is batch and seen["ref"] is not None
+        # each stage added its keys to the one step batch the learner got
+        assert {"ref_logprobs", "kl", "advantages", "old_logprobs"} <= set(batch)
+        assert torch.equal(batch["kl"] * batch["response_mask"], batch["kl"])
         assert not adv[~mask].any()
         assert float(adv[mask].mean()) == pytest.approx(0.0, abs=1e-5)
         assert float(adv[mask].std()) == pytest.approx(1.0, abs=1e-4)

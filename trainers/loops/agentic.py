@@ -31,11 +31,13 @@ from typing import Any
 import torch
 
 from rollkit.advantages import anchor_state_index
+from rollkit.keys import GROUP_IDS, OLD_LOGPROBS, RESPONSE_MASK, REWARDS, STEP_IDS
 from rollkit.trajectory import TrajectoryBatch
 from trainers.config import AgenticConfig, validate_agentic
 from trainers.deps import require
-from trainers.engines.base import PackedBatch, SamplingParams
+from trainers.engines.base import SamplingParams
 from trainers.engines.build import build_engines, build_model, parse_dtype
+from trainers.engines.step import ATTENTION_MASK, INPUT_IDS, StepBatch
 from trainers.engines.torch_train import TorchTrainEngine
 from trainers.envs.base import extract_boxed
 from trainers.envs.episodes import EpisodeBatch, EpisodeRunner
@@ -114,7 +116,7 @@ def trajectory_advantages(
             )
         adv = out.reshape(out.shape[0], -1)[:, 0][batch.traj_ids][:, None] * mask
     else:
-        adv = row_advantages(entry, batch.rewards, batch.group_ids, mask, kwargs)
+        adv = row_advantages(entry, {REWARDS: batch.rewards, GROUP_IDS: batch.group_ids, RESPONSE_MASK: mask}, kwargs)
     adv = torch.where(mask, adv, torch.zeros((), dtype=adv.dtype))
     metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
     return adv, metrics
@@ -183,7 +185,7 @@ class TrajectoryCredit:
     def token_rewards(self) -> torch.Tensor:
         return self.batch.turn_end_rewards()
 
-    def shape_advantages(self, batch: PackedBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+    def shape_advantages(self, batch: StepBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
         return adv
 
     def report(self, adv: torch.Tensor, metrics: dict[str, float]) -> None:
@@ -337,21 +339,24 @@ class AgenticTrainer:
         with timer("rollout"):
             result = self._next_batch()
         metrics = episode_metrics(result, self.version)
-        # trajectories -> one packed batch (env tokens masked out of the response) -> advantages
+        # trajectories -> one step batch (env tokens masked out of the response) -> advantages
         batch = self._batch(result)
         L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
-        packed = PackedBatch(
-            batch.input_ids,
-            batch.attention_mask,
-            batch.response_mask,
-            L - T,
-            old_logprobs=batch.behavior_logprobs,
-            step_ids=batch.step_ids,  # IPA's chunks: the turn of each token (algorithm.policy_loss=ipa)
+        step_batch = StepBatch(
+            {
+                INPUT_IDS: batch.input_ids,
+                ATTENTION_MASK: batch.attention_mask,
+                RESPONSE_MASK: batch.response_mask,
+                OLD_LOGPROBS: batch.behavior_logprobs,
+                # the turn of each token: the correction's segments, IPA's chunks (policy_loss=ipa)
+                STEP_IDS: batch.step_ids,
+            },
+            prompt_len=L - T,
         )
         # the shared update stage: [recompute, correction per turn] -> [reference / KL per turn] ->
         # advantages (estimator or critic) -> [whitening, clip] -> [critic update] -> the PPO update
         credit = TrajectoryCredit(batch, per_turn=self.per_turn)
-        metrics.update(self.update.run(packed, credit, self.version, timer, segment_ids=batch.step_ids))
+        metrics.update(self.update.run(step_batch, credit, self.version, timer))
         # push the weights (between two generation batches if a collection is running)
         self.version += 1
         with timer("weight_sync"):

@@ -10,7 +10,7 @@ the group update asks the critic role for the batch's values and trains on::
     gae:    A, R = gae_advantages(r, V[0], mask, gamma, lam)
     asyppo: A, R, keep_A, keep_H = asyppo_advantages(r, V, mask, gamma, lam, k, h)
             (GAE over the critics' mean; A masked where they agree most; the entropy bonus
-            dropped where they disagree most: batch.entropy_keep)
+            dropped where they disagree most: the step batch's entropy_keep)
     critic.update(batch, V, R, shards)                   each critic on its shard (AsyPPO), else all
 
 ``scores`` are the sequence rewards after the overlong penalty, the reward normalisation and
@@ -31,19 +31,20 @@ import torch
 
 from rollkit.advantages import gae_advantages
 from rollkit.critics import asyppo_advantages, critic_shards
+from rollkit.keys import RESPONSE_MASK, RETURNS, VALUES
 from rollkit.ops import explained_variance, masked_whiten
 from trainers.config import Config
-from trainers.engines.base import PackedBatch
+from trainers.engines.step import ENTROPY_KEEP, StepBatch
 
 __all__ = ["CriticStep"]
 
 
 class CriticStep:
-    """One batch's values, advantages and value update (module docstring)."""
+    """One step batch's values, advantages and value update (module docstring); adds
+    ``values`` (the ensemble's, ``[B, T]``), ``returns`` and, with AsyPPO, ``entropy_keep`` to
+    the batch. The critic role sees the batch's packed view."""
 
-    def __init__(
-        self, cfg: Config, critic: Any, batch: PackedBatch, group_ids: torch.Tensor, step: int
-    ) -> None:
+    def __init__(self, cfg: Config, critic: Any, batch: StepBatch, group_ids: torch.Tensor, step: int) -> None:
         self.cfg, self.critic, self.batch, self.group_ids, self.step = cfg, critic, batch, group_ids, step
         self.old_values: torch.Tensor | None = None
         self.returns: torch.Tensor | None = None
@@ -56,11 +57,11 @@ class CriticStep:
         (:func:`rollkit.rewards.token_level_rewards`; the agentic loop: each turn's reward on its
         last action token); ``critic/*`` (and ``asyppo/*``) into ``metrics``."""
         cfg, b = self.cfg, self.batch
-        mask = b.response_mask
+        mask = b[RESPONSE_MASK]
         gamma, lam = (
             float(cfg.algorithm.advantage_kwargs.get(k, d)) for k, d in (("gamma", 1.0), ("lam", 0.95))
         )
-        values = self.critic.values(b)  # [K, B, T]
+        values = self.critic.values(b.view())  # [K, B, T]
         self.old_values = values
         K = values.shape[0]
         if K == 1:
@@ -75,7 +76,7 @@ class CriticStep:
                 advantage_mask_frac=k.advantage_mask_frac, entropy_filter_frac=k.entropy_filter_frac,
             )  # fmt: skip
             adv, ret, v = out.advantages, out.returns, out.values
-            b.entropy_keep, self.advantage_keep = out.entropy_keep, out.advantage_keep
+            b[ENTROPY_KEEP], self.advantage_keep = out.entropy_keep, out.advantage_keep
             kept = mask & out.advantage_keep
             if k.whiten_advantages and int(kept.sum()) >= 2:  # over the tokens that keep an advantage
                 adv = masked_whiten(adv, kept)
@@ -83,7 +84,8 @@ class CriticStep:
             self.shards = critic_shards(
                 self.group_ids, K, level=cfg.critic.shard_level, seed=cfg.seed * 7919 + self.step
             )
-        self.returns = ret
+        self.returns = b[RETURNS] = ret
+        b[VALUES] = v
         n = mask.sum().clamp(min=1)
         metrics["critic/values_mean"] = float(v[mask].sum() / n)
         metrics["critic/returns_mean"] = float(ret[mask].sum() / n)
@@ -99,4 +101,4 @@ class CriticStep:
         """The value update towards this step's returns (after :meth:`advantages`)."""
         if self.old_values is None or self.returns is None:
             raise RuntimeError("CriticStep.update: call advantages() first")
-        return self.critic.update(self.batch, self.old_values, self.returns, self.shards, seed=seed)
+        return self.critic.update(self.batch.view(), self.old_values, self.returns, self.shards, seed=seed)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from rollkit.keys import OLD_LOGPROBS, RESPONSE_MASK
 from rollkit.losses import aggregate, distill_token_rewards, global_normalizers, on_policy_distill
 from trainers.config import (
     DISTILL_MODES,
@@ -45,6 +46,7 @@ from trainers.config import (
 )
 from trainers.data import Prompt
 from trainers.engines.base import PackedBatch, batch_logprobs, pack_generations
+from trainers.engines.step import StepBatch
 from trainers.loops.collect import Group, GroupCollector
 from trainers.loops.common import (
     Timer,
@@ -82,21 +84,12 @@ class DistillCredit:
     (``validate_distill`` refuses one)."""
 
     def __init__(
-        self, trainer: DistillTrainer, groups: list[Group], batch: PackedBatch, timer: Timer,
+        self, trainer: DistillTrainer, groups: list[Group], batch: StepBatch, timer: Timer,
         metrics: dict[str, float],
     ) -> None:  # fmt: skip
-        n = trainer.cfg.rollout.n
         self.trainer, self.batch, self.timer = trainer, batch, timer
-        self.behavior = batch.old_logprobs  # the rollout's log-probs, whatever the stage recomputes
-        self.task = SequenceCredit(
-            trainer.update,
-            torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32),
-            torch.arange(len(groups)).repeat_interleave(n),
-            [g for _, gs, _ in groups for g in gs],
-            [p.domain for p, _, _ in groups for _ in range(n)],
-            batch.response_mask,
-            metrics,
-        )
+        self.behavior = batch[OLD_LOGPROBS]  # the rollout's log-probs, whatever the stage recomputes
+        self.task = SequenceCredit(trainer.update, batch, *trainer.update.samples(groups), metrics)
         self.group_ids = self.task.group_ids
         self.kl_penalty: torch.Tensor | None = None
 
@@ -107,11 +100,11 @@ class DistillCredit:
         self.task.shape_rewards(metrics)
 
     def advantages(self, entry: Any, kwargs: dict[str, Any], metrics: dict[str, float]) -> torch.Tensor:
-        tr, mask = self.trainer, self.batch.response_mask
+        tr, mask = self.trainer, self.batch[RESPONSE_MASK]
         d = tr.cfg.distill
         with self.timer("teacher"):
             t_lp = batch_logprobs(
-                tr.teacher, self.batch, micro_batch_size=tr.cfg.train.micro_batch_size, **tr._sampling()
+                tr.teacher, self.batch.view(), micro_batch_size=tr.cfg.train.micro_batch_size, **tr._sampling()
             ).to(mask.device)
         adv = distill_token_rewards(self.behavior, t_lp, mask, coef=d.coef)
         n_tok = mask.sum().clamp(min=1)
@@ -125,7 +118,7 @@ class DistillCredit:
     def token_rewards(self) -> torch.Tensor:
         raise ValueError("distill.mode=rl: no critic (its advantages are the teacher's per-token scores)")
 
-    def shape_advantages(self, batch: PackedBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+    def shape_advantages(self, batch: StepBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
         return self.task.shape_advantages(batch, adv, metrics)
 
     def report(self, adv: torch.Tensor, metrics: dict[str, float]) -> None:
@@ -201,15 +194,15 @@ class DistillTrainer:
         timer, t_start = Timer(), time.perf_counter()
         groups, metrics, lengths = self.collector.collect(self.global_step, timer)
         if groups:
-            batch = pack_generations([g for _, gs, _ in groups for g in gs], self.codec.pad_id)
             if self.cfg.distill.mode == "loss":
                 if self.roles.offload:  # a colocated rollout sleeps, an offloaded train state returns
                     with timer("offload"):
                         self.roles.sleep_rollout()
                 with timer("train"):
+                    batch = pack_generations([g for _, gs, _ in groups for g in gs], self.codec.pad_id)
                     metrics.update(self.distill_update(batch, timer))
             else:  # the shared update stage (it also puts a colocated rollout to sleep)
-                metrics.update(self.rl_update(groups, batch, timer))
+                metrics.update(self.rl_update(groups, timer))
             with timer("weight_sync"):
                 self.roles.push_weights(version=self.global_step + 1)
         self.global_step += 1
@@ -242,10 +235,12 @@ class DistillTrainer:
         sums.update({f"optim/{k}": float(v) for k, v in self.engine.step().items()})
         return dict(sums)
 
-    def rl_update(self, groups: list[Group], batch: PackedBatch, timer: Timer) -> dict[str, float]:
+    def rl_update(self, groups: list[Group], timer: Timer) -> dict[str, float]:
         """``distill.mode=rl``: the shared update stage (:class:`~trainers.loops.stage.UpdateStage`)
-        with :class:`DistillCredit`: advantages ``distill_token_rewards(rollout log-probs,
-        teacher)`` (+ ``task_coef`` x the task advantages), then the learner's PPO update."""
+        on the groups' step batch with :class:`DistillCredit`: advantages
+        ``distill_token_rewards(rollout log-probs, teacher)`` (+ ``task_coef`` x the task
+        advantages), then the learner's PPO update."""
+        batch = self.update.step_batch(groups)
         metrics: dict[str, float] = {}
         credit = DistillCredit(self, groups, batch, timer, metrics)
         metrics.update(self.update.run(batch, credit, self.global_step, timer))

@@ -1,14 +1,17 @@
 """The update stage every RL trainer shares: a step's scored batch to one policy update.
 
-:meth:`UpdateStage.run` takes a packed batch (the rollout's log-probs as the old ones) and the
-pipeline's :class:`Credit` (how its rewards are laid out) and runs::
+:meth:`UpdateStage.run` takes the step batch (:class:`~trainers.engines.step.StepBatch`: the
+packed samples, the rollout's log-probs as the old ones) and the pipeline's :class:`Credit` (how
+its rewards are laid out) and runs, each stage adding its keys to the batch::
 
     [a colocated rollout sleeps, an offloaded train state comes back] -> [old / proximal recompute
-    on the trainer, mismatch correction weights] -> [reference log-probs, kl/rollout; KL as a
-    reward penalty (adaptive coefficient) or a loss term] -> [the credit's reward shaping] ->
-    advantages: the credit's (a registry estimator) or GAE over the critic's values -> [the
-    credit's advantage shaping] -> [advantage whitening] -> [advantage clip] -> [the critic's
-    value update; its warm-up holds the policy] -> the learner's PPO update (every train rank)
+    on the trainer (old_logprobs, behavior_logprobs), mismatch correction weights (is_weights,
+    token_keep)] -> [reference log-probs, kl/rollout (ref_logprobs, kl); KL as a reward penalty
+    (adaptive coefficient) or a loss term] -> [the credit's reward shaping] -> advantages: the
+    credit's (a registry estimator) or GAE over the critic's values (values, returns,
+    entropy_keep) -> [the credit's advantage shaping (token_keep)] -> [advantage whitening] ->
+    [advantage clip] (advantages) -> [the critic's value update; its warm-up holds the policy]
+    -> the learner's PPO update on the step batch (every train rank)
 
 The credit is the only part a pipeline writes: :class:`~trainers.loops.update.SequenceCredit`
 (RLVR: one reward per sample, the overlong penalty, per-domain reward normalisation, the
@@ -26,12 +29,25 @@ from typing import Any, Protocol
 
 import torch
 
+from rollkit.keys import (
+    ADVANTAGES,
+    BEHAVIOR_LOGPROBS,
+    GROUP_IDS,
+    KL,
+    OLD_LOGPROBS,
+    REF_LOGPROBS,
+    RESPONSE_LENGTH,
+    RESPONSE_MASK,
+    REWARDS,
+    STEP_IDS,
+)
 from rollkit.losses.kl import AdaptiveKLController
 from rollkit.ops import masked_whiten
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.rewards import clip_advantages
 from trainers.config import critic_needed
-from trainers.engines.base import PackedBatch, batch_logprobs
+from trainers.engines.base import batch_logprobs
+from trainers.engines.step import StepBatch
 from trainers.learner import apply_correction, loss_mask, needs_recompute, rollout_kl
 from trainers.loops.common import Timer
 from trainers.loops.critic_step import CriticStep
@@ -40,14 +56,21 @@ from trainers.roles import Roles
 __all__ = ["Credit", "UpdateStage", "row_advantages"]
 
 
-def row_advantages(
-    entry: Any, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, kwargs: dict[str, Any]
-) -> torch.Tensor:
-    """``[B, T]`` advantages of the registry estimator ``entry`` over one reward per row
-    (``rewards``, ``group_ids`` ``[B]``; ``mask`` ``[B, T]`` the response): the RLVR inputs by
-    their keys (``rewards``, ``group_ids``, ``response_mask``, ``response_length``), a per-row
-    result broadcast over the row's tokens, 0 off ``mask``."""
-    inputs = {"rewards": rewards, "group_ids": group_ids, "response_mask": mask, "response_length": mask.sum(-1)}
+#: what a row-level estimator reads from the step batch (by key); the KL penalty is already in
+#: the rewards (kl.mode=reward), so an estimator's optional ``kl`` input is not given it
+ROW_ADVANTAGE_INPUTS = (REWARDS, GROUP_IDS, RESPONSE_MASK, RESPONSE_LENGTH)
+
+
+def row_advantages(entry: Any, batch: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """``[B, T]`` advantages of the registry estimator ``entry`` over one reward per row: it
+    reads :data:`ROW_ADVANTAGE_INPUTS` from ``batch`` (a step batch or any mapping with
+    ``rewards``, ``group_ids`` ``[B]`` and ``response_mask`` ``[B, T]``; ``response_length``
+    defaults to the mask's row sums); a per-row result is broadcast over the row's tokens, 0 off
+    the response."""
+    mask = batch[RESPONSE_MASK]
+    inputs = {k: batch.get(k) for k in ROW_ADVANTAGE_INPUTS}
+    if inputs[RESPONSE_LENGTH] is None:
+        inputs[RESPONSE_LENGTH] = mask.sum(-1)
     out = entry.call(inputs, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     return (out[:, None] if out.dim() == 1 else out) * mask
@@ -72,8 +95,8 @@ class Credit(Protocol):
     def token_rewards(self) -> torch.Tensor:
         """``[B, T]`` per-token rewards for GAE over a critic's values."""
 
-    def shape_advantages(self, batch: PackedBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
-        """The pipeline's own masks on ``adv`` (before whitening and clip)."""
+    def shape_advantages(self, batch: StepBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        """The pipeline's own masks on ``adv`` (before whitening and clip; e.g. ``token_keep``)."""
 
     def report(self, adv: torch.Tensor, metrics: dict[str, float]) -> None:
         """The pipeline's metrics of the final advantages."""
@@ -97,20 +120,13 @@ class UpdateStage:
         self.critic_step: CriticStep | None = None
 
     def run(
-        self,
-        batch: PackedBatch,
-        credit: Credit,
-        step: int,
-        timer: Timer,
-        *,
-        recompute: bool = False,
-        segment_ids: torch.Tensor | None = None,
+        self, batch: StepBatch, credit: Credit, step: int, timer: Timer, *, recompute: bool = False
     ) -> dict[str, float]:
-        """Train on ``batch`` with ``credit`` at ``step``; returns the update's metrics.
-        ``recompute``: take the old log-probs from the trainer's current weights (the proximal
-        policy) and keep the rollout's as ``behavior_logprobs`` (stale samples); also done when
-        ``algorithm.correction`` asks for it. ``segment_ids`` ``[B, T]``: the correction's
-        segments (the agentic turns)."""
+        """Train on the step batch ``batch`` with ``credit`` at ``step``; returns the update's
+        metrics. ``recompute``: take the old log-probs from the trainer's current weights (the
+        proximal policy) and keep the rollout's as ``behavior_logprobs`` (stale samples); also
+        done when ``algorithm.correction`` asks for it. The batch's ``step_ids`` (the agentic
+        turns), when present, are the correction's segments."""
         a = self.cfg.algorithm
         metrics: dict[str, float] = {}
         if self.roles.offload:  # the device passes from the rollout to the learner (roles.sleep_rollout)
@@ -118,15 +134,16 @@ class UpdateStage:
                 self.roles.sleep_rollout()
         if recompute or needs_recompute(a.correction):
             self.recompute_proximal(batch, timer)
-            metrics.update(apply_correction(batch, a.correction, segment_ids=segment_ids))
-        ref_lp = self._reference(batch, credit, timer, metrics)
+            metrics.update(apply_correction(batch, a.correction, segment_ids=batch.get(STEP_IDS)))
+        self._reference(batch, credit, timer, metrics)
         credit.shape_rewards(metrics)
         adv = self._advantages(batch, credit, step, timer, metrics)
         adv = credit.shape_advantages(batch, adv, metrics)
         adv = self._shape_advantages(batch, adv, metrics)
         if self.critic is not None:
             adv = self.critic_step.keep(adv)  # AsyPPO's advantage mask survives the whitening
-        mask = batch.response_mask
+        batch[ADVANTAGES] = adv
+        mask = batch[RESPONSE_MASK]
         metrics["advantage/abs_mean"] = float(adv.abs().sum() / mask.sum().clamp(min=1))
         credit.report(adv, metrics)
         if self.critic is not None:
@@ -136,30 +153,31 @@ class UpdateStage:
                 metrics["critic/warmup"] = 1.0
                 return metrics
         with timer("train"):
-            metrics.update(self.roles.learner.update(batch, adv, ref_lp, seed=self.cfg.seed * 7919 + step))
+            metrics.update(self.roles.learner.update(batch, seed=self.cfg.seed * 7919 + step))
         return metrics
 
-    def _reference(
-        self, batch: PackedBatch, credit: Credit, timer: Timer, metrics: dict[str, float]
-    ) -> torch.Tensor | None:
-        """With a reference: its ``[B, T]`` log-probs (for the loss's KL term) and ``kl/rollout``;
-        ``kl.mode=reward``: the credit takes ``coef x KL`` per token off its rewards."""
+    def _reference(self, batch: StepBatch, credit: Credit, timer: Timer, metrics: dict[str, float]) -> None:
+        """With a reference: its ``[B, T]`` log-probs (``ref_logprobs``, for the loss's KL term),
+        the per-token KL estimate (``kl``) and ``kl/rollout``; ``kl.mode=reward``: the credit
+        takes ``coef x KL`` per token off its rewards."""
         if self.roles.reference is None:
-            return None
+            return
         a = self.cfg.algorithm
         with timer("reference"):
-            ref_lp = self._logprobs(self.roles.reference, batch)
-        kl_tok, metrics["kl/rollout"] = rollout_kl(batch.old_logprobs, ref_lp, batch.response_mask, a.kl.estimator)
+            batch[REF_LOGPROBS] = self._logprobs(self.roles.reference, batch)
+        kl_tok, metrics["kl/rollout"] = rollout_kl(
+            batch[OLD_LOGPROBS], batch[REF_LOGPROBS], batch[RESPONSE_MASK], a.kl.estimator
+        )
+        batch[KL] = kl_tok
         if a.kl.mode == "reward":
             coef = a.kl.coef if self.kl_ctrl is None else self.kl_ctrl.value
             credit.penalize(coef * kl_tok, critic=self.critic is not None, metrics=metrics)
         if self.kl_ctrl is not None:  # this step's coefficient; the next from this step's KL
             metrics["kl/coef"] = self.kl_ctrl.value
-            self.kl_ctrl.update(metrics["kl/rollout"], n_steps=int(batch.response_mask.shape[0]))
-        return ref_lp
+            self.kl_ctrl.update(metrics["kl/rollout"], n_steps=batch.batch_size)
 
     def _advantages(
-        self, batch: PackedBatch, credit: Credit, step: int, timer: Timer, metrics: dict[str, float]
+        self, batch: StepBatch, credit: Credit, step: int, timer: Timer, metrics: dict[str, float]
     ) -> torch.Tensor:
         """``[B, T]`` advantages: the credit's registry estimator, or GAE over the critic's values."""
         if self.critic is None:
@@ -170,9 +188,9 @@ class UpdateStage:
         with timer("values"):
             return self.critic_step.advantages(rewards, metrics)
 
-    def _shape_advantages(self, batch: PackedBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+    def _shape_advantages(self, batch: StepBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
         """``algorithm.whiten_advantages`` then ``algorithm.advantage_clip`` of ``adv`` ``[B, T]``."""
-        a, mask = self.cfg.algorithm, batch.response_mask
+        a, mask = self.cfg.algorithm, batch[RESPONSE_MASK]
         if a.whiten_advantages:
             sel = loss_mask(batch)
             if int(sel.sum()) >= 2:  # the unbiased variance needs two tokens
@@ -184,18 +202,18 @@ class UpdateStage:
             adv = clip_advantages(adv, max_abs=a.advantage_clip)
         return adv
 
-    def _logprobs(self, policy: Any, batch: PackedBatch) -> torch.Tensor:
+    def _logprobs(self, policy: Any, batch: StepBatch) -> torch.Tensor:
         r = self.cfg.rollout
         return batch_logprobs(
             policy,
-            batch,
+            batch.view(),
             temperature=r.temperature,
             top_k=r.top_k,
             top_p=r.top_p,
             micro_batch_size=self.cfg.train.micro_batch_size,
         )
 
-    def recompute_proximal(self, batch: PackedBatch, timer: Timer) -> None:
+    def recompute_proximal(self, batch: StepBatch, timer: Timer) -> None:
         """``old_logprobs`` <- the learner's current log-probs; ``behavior_logprobs`` <- the rollout's."""
         learner = self.roles.learner
         policy = getattr(learner, "engine", learner)  # in process: the engine; on Ray: the train group
@@ -207,8 +225,8 @@ class UpdateStage:
             )
         with timer("recompute"):
             proximal = self._logprobs(policy, batch)
-        batch.behavior_logprobs = batch.old_logprobs
-        batch.old_logprobs = proximal * batch.response_mask
+        batch[BEHAVIOR_LOGPROBS] = batch[OLD_LOGPROBS]
+        batch[OLD_LOGPROBS] = proximal * batch[RESPONSE_MASK]
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.kl_ctrl is None else {"kl_ctrl": self.kl_ctrl.state_dict()}

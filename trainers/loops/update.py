@@ -1,7 +1,8 @@
 """The training half of an RLVR step, shared by the sync, tail-batching, async and distillation loops.
 
-:class:`GroupUpdate` takes the kept groups ``(prompt, n generations, n rewards)``, packs them
-(the rollout's log-probs are the old ones) and runs the shared update stage
+:class:`GroupUpdate` takes the kept groups ``(prompt, n generations, n rewards)``, builds the
+step batch (:class:`~trainers.engines.step.StepBatch`: the packed samples, the rollout's
+log-probs as the old ones, ``rewards`` and ``group_ids``) and runs the shared update stage
 (:class:`~trainers.loops.stage.UpdateStage`: recompute / correction, reference / KL, advantages
 or critic, whitening, clip, learner) with the RLVR :class:`SequenceCredit`: one reward per
 sample, plus [DAPO soft overlong penalty] (before the KL penalty) -> [running / batch reward
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from rollkit.keys import GROUP_IDS, RESPONSE_MASK, REWARDS
 from rollkit.rewards import (
     RunningRewardNormalizer,
     clip_rewards,
@@ -34,7 +36,8 @@ from rollkit.rewards import (
 )
 from trainers.config import Config
 from trainers.domains import domain_masks
-from trainers.engines.base import PackedBatch, pack_generations
+from trainers.engines.base import pack_generations
+from trainers.engines.step import StepBatch
 from trainers.loops.collect import Group
 from trainers.loops.common import Timer
 from trainers.loops.stage import UpdateStage, row_advantages
@@ -70,18 +73,20 @@ def domain_metrics(
 
 class SequenceCredit:
     """The RLVR credit of the shared update stage (:class:`~trainers.loops.stage.Credit`): one
-    reward per sample (``rewards`` ``[B]``, ``group_ids`` ``[B]``: the prompt's group), the DAPO
-    overlong penalty added at once (``reward.overlong_buffer``), the KL penalty summed into the
-    reward (or per token with a critic), the running / batch normalisation per domain and the
-    clip, the registry estimator over the rows, the max-length mask, per-domain metrics."""
+    reward per sample (the step batch's ``rewards`` ``[B]`` and ``group_ids`` ``[B]``: the
+    prompt's group), the DAPO overlong penalty added at once (``reward.overlong_buffer``), the
+    KL penalty summed into the reward (or per token with a critic), the running / batch
+    normalisation per domain and the clip, the registry estimator over the rows, the max-length
+    mask (``token_keep``), per-domain metrics. The shaped rewards replace the batch's
+    ``rewards``; the task rewards stay here for the metrics."""
 
     def __init__(
-        self, update: GroupUpdate, rewards: torch.Tensor, group_ids: torch.Tensor, gens: list[Any],
-        domains: list[str], mask: torch.Tensor, metrics: dict[str, float],
-    ) -> None:  # fmt: skip
+        self, update: GroupUpdate, batch: StepBatch, gens: list[Any], domains: list[str], metrics: dict[str, float]
+    ) -> None:
         cfg = update.cfg
-        self.update, self.gens, self.domains, self.mask = update, gens, domains, mask
-        self.task_rewards, self.rewards, self.group_ids = rewards, rewards, group_ids
+        self.update, self.batch, self.gens, self.domains = update, batch, gens, domains
+        self.mask, self.group_ids = batch[RESPONSE_MASK], batch[GROUP_IDS]
+        self.task_rewards = rewards = batch[REWARDS]
         self.kl_penalty: torch.Tensor | None = None  # [B, T] with a critic (kl.mode=reward)
         if cfg.reward.overlong_buffer:  # DAPO soft overlong punishment, added to the task reward
             pen = overlong_penalty(
@@ -91,36 +96,41 @@ class SequenceCredit:
                 penalty_factor=cfg.reward.overlong_penalty,
                 dtype=torch.float32,
             )
-            self.rewards = rewards + pen
+            batch[REWARDS] = rewards + pen
             metrics["reward/overlong_penalty_mean"] = float(pen.mean())
             metrics["reward/overlong_frac"] = float((pen < 0).float().mean())
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """``[B]`` the rewards as shaped so far (the batch's ``rewards``)."""
+        return self.batch[REWARDS]
 
     def penalize(self, kl_penalty: torch.Tensor, *, critic: bool, metrics: dict[str, float]) -> None:
         if critic:  # a critic's token rewards take it per token
             self.kl_penalty = kl_penalty
         else:
-            self.rewards = self.rewards - kl_penalty.sum(-1)
+            self.batch[REWARDS] = self.rewards - kl_penalty.sum(-1)
 
     def shape_rewards(self, metrics: dict[str, float]) -> None:
         a = self.update.cfg.algorithm
-        self.rewards = self.update.normalize(self.rewards, self.domains)
+        rewards = self.update.normalize(self.rewards, self.domains)
         if a.reward_clip:
-            metrics["reward/clipped_frac"] = float((self.rewards.abs() > a.reward_clip).float().mean())
-            self.rewards = clip_rewards(self.rewards, low=-a.reward_clip, high=a.reward_clip)
+            metrics["reward/clipped_frac"] = float((rewards.abs() > a.reward_clip).float().mean())
+            rewards = clip_rewards(rewards, low=-a.reward_clip, high=a.reward_clip)
+        self.batch[REWARDS] = rewards
 
     def advantages(self, entry: Any, kwargs: dict[str, Any], metrics: dict[str, float]) -> torch.Tensor:
-        return row_advantages(entry, self.rewards, self.group_ids, self.mask, kwargs)
+        return row_advantages(entry, self.batch, kwargs)
 
     def token_rewards(self) -> torch.Tensor:
         pen = self.kl_penalty
         return token_level_rewards(self.rewards, self.mask, kl=pen, kl_coef=0.0 if pen is None else 1.0)
 
-    def shape_advantages(self, batch: PackedBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
-        """``filter.max_len_mask``: no loss on truncated samples (into ``batch.keep``)."""
+    def shape_advantages(self, batch: StepBatch, adv: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+        """``filter.max_len_mask``: no loss on truncated samples (into ``token_keep``)."""
         if self.update.cfg.filter.max_len_mask:  # DAPO overlong filtering
             truncated = torch.tensor([g.finish_reason == "length" for g in self.gens], dtype=torch.bool)
-            kept = mask_truncated(batch.response_mask, truncated)
-            batch.keep = kept if batch.keep is None else batch.keep & kept
+            batch.keep_tokens(mask_truncated(batch[RESPONSE_MASK], truncated))
             metrics["filter/max_len_masked_frac"] = float(truncated.float().mean())
         return adv
 
@@ -148,21 +158,28 @@ class GroupUpdate(UpdateStage):
         old log-probs from the trainer's current weights (the proximal policy) and keep the
         rollout's as ``behavior_logprobs`` (asynchronous training with stale samples); also done
         when ``algorithm.correction`` asks for it (``recompute_old``, or a correction level)."""
-        n = self.cfg.rollout.n
-        gens = [g for _, gs, _ in groups for g in gs]
-        batch = pack_generations(gens, self.pad_id)
+        batch = self.step_batch(groups)
         metrics: dict[str, float] = {}
-        credit = SequenceCredit(
-            self,
-            torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32),
-            torch.arange(len(groups)).repeat_interleave(n),
-            gens,
-            [p.domain for p, _, _ in groups for _ in range(n)],
-            batch.response_mask,
-            metrics,
-        )
+        credit = SequenceCredit(self, batch, *self.samples(groups), metrics)
         metrics.update(self.run(batch, credit, step, timer, recompute=recompute))
         return metrics
+
+    def step_batch(self, groups: list[Group]) -> StepBatch:
+        """The step batch of ``groups``: the packed generations (their log-probs the old ones),
+        ``rewards`` ``[B]`` (float32) and ``group_ids`` ``[B]`` (each group's index)."""
+        batch = pack_generations([g for _, gs, _ in groups for g in gs], self.pad_id)
+        return StepBatch.from_packed(
+            batch,
+            **{
+                REWARDS: torch.tensor([r for _, _, rs in groups for r in rs], dtype=torch.float32),
+                GROUP_IDS: torch.arange(len(groups)).repeat_interleave(self.cfg.rollout.n),
+            },
+        )
+
+    def samples(self, groups: list[Group]) -> tuple[list[Any], list[str]]:
+        """``(generations, domains)`` of ``groups`` in the step batch's row order."""
+        n = self.cfg.rollout.n
+        return [g for _, gs, _ in groups for g in gs], [p.domain for p, _, _ in groups for _ in range(n)]
 
     def normalize(self, rewards: torch.Tensor, domains: list[str]) -> torch.Tensor:
         """``algorithm.reward_normalizer`` (running) then ``algorithm.batch_reward_norm`` of

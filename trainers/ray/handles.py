@@ -44,6 +44,7 @@ from trainers.engines.build import (
     TINY_VLMS,
     build_model,
 )
+from trainers.engines.step import StepBatch
 from trainers.learner import UpdateStats
 from trainers.models import char_tokenizer, default_model_path
 from trainers.ray.placement import Placement, plan_bundles, plan_teacher
@@ -266,11 +267,11 @@ class RayTrainGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
-    def update(
-        self, batch: PackedBatch, advantages: torch.Tensor, ref_logprobs: torch.Tensor | None, *, seed: int
-    ) -> dict[str, float]:
+    def update(self, batch: StepBatch, *, seed: int) -> dict[str, float]:
+        """Every rank runs :func:`~trainers.learner.ppo_update` on its share of the step batch
+        (one object-store copy for them all); the ranks' stats are merged."""
         ray = ray_module()
-        payload = ray.put(dict(batch=batch, advantages=advantages, ref_logprobs=ref_logprobs, spec=self.spec))
+        payload = ray.put(dict(batch=batch, spec=self.spec))
         total = UpdateStats()
         for sums, counts, mismatch in self._all(
             [w.update.remote(payload, seed) for w in self.workers], "update"

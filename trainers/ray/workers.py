@@ -259,10 +259,8 @@ class TrainWorker:
         dp = hasattr(self.engine, "dp_rank")
         stats = ppo_update(
             self.engine,
-            payload["batch"],
-            payload["advantages"],
+            payload["batch"],  # the step batch (trainers.engines.step.StepBatch), as in process
             payload.get("spec") or self.spec,
-            ref_logprobs=payload["ref_logprobs"],
             seed=seed,
             rank=self.engine.dp_rank if dp else self.rank,
             world_size=self.engine.world_size if dp else self.world_size,
