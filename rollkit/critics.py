@@ -16,7 +16,9 @@ critic models and calls them directly:
   the tokens where the critics agree most (the lowest ``k`` fraction of ``sigma``), no entropy
   bonus on the tokens where they disagree most (the highest ``h`` fraction);
 * :func:`asyppo_advantages` chains the last two with GAE: a step's advantages, returns and
-  masks from the critics' values in one call.
+  masks from the critics' values in one call; :func:`asyppo_estimator` is the same registered
+  as the advantage estimator ``"asyppo"`` (``ADVANTAGE_ESTIMATORS``), reading the batch key
+  ``ensemble_values`` ``[B, T, C]`` (batch-first, as every batch key).
 
 The guide, with the paper's formulas, its defaults and the readings chosen where it is
 ambiguous, is docs/critics.md.
@@ -30,9 +32,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from rollkit import keys as K
 from rollkit.advantages.gae import gae_advantages
 from rollkit.losses._common import compute_dtype
 from rollkit.ops import group_index
+from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.validation import (
     InvalidTypeError,
     check_choice,
@@ -55,6 +59,7 @@ __all__ = [
     "AsyPPOAdvantages",
     "DisagreementMasks",
     "asyppo_advantages",
+    "asyppo_estimator",
     "critic_shards",
     "disagreement_masks",
     "ensemble_values",
@@ -444,3 +449,69 @@ def asyppo_advantages(
     )
     advantages = torch.where(keep_a, adv, torch.zeros((), dtype=adv.dtype, device=adv.device))
     return AsyPPOAdvantages(advantages, returns, mean, std, keep_a, keep_h, metrics)
+
+
+@ADVANTAGE_ESTIMATORS.register(
+    "asyppo",
+    in_keys={"token_rewards": K.TOKEN_REWARDS, "ensemble_values": K.ENSEMBLE_VALUES, "mask": K.RESPONSE_MASK},
+    out_keys=(K.ADVANTAGES, K.RETURNS, K.VALUES, "values_std", K.ADVANTAGE_KEEP, K.ENTROPY_KEEP, "asyppo_metrics"),
+)
+def asyppo_estimator(
+    token_rewards: Tensor,  # [B, T] float
+    ensemble_values: Tensor,  # [B, T, C] float: critic c's value at every token
+    mask: Tensor,  # [B, T] bool
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    advantage_mask_frac: float = DEFAULT_ADVANTAGE_MASK_FRAC,
+    entropy_filter_frac: float = DEFAULT_ENTROPY_FILTER_FRAC,
+    unbiased: bool = False,
+) -> AsyPPOAdvantages:
+    """The advantage estimator ``"asyppo"``: :func:`asyppo_advantages` over batch-first values.
+
+        asyppo_estimator(r, V, mask, ...) = asyppo_advantages(r, V.movedim(-1, 0), mask, ...)
+
+    with ``V`` ``[B, T, C]`` (the batch key ``ensemble_values``: ``C >= 1`` critics' values;
+    every batch key leads with ``B``), so a registry caller reads it by key like every
+    estimator. It needs a learned critic ensemble, as ``"gae"`` needs one critic: a trainer
+    runs it where an estimator reads ``values`` or ``ensemble_values``
+    (``trainers.config.critic_needed``). Liu et al., 2025, arXiv:2510.01656.
+
+    Args:
+        token_rewards: ``[B, T]`` per-token rewards.
+        ensemble_values: ``[B, T, C]`` float.
+        mask: ``[B, T]`` bool.
+        gamma, lam, advantage_mask_frac, entropy_filter_frac, unbiased: as
+            :func:`asyppo_advantages`.
+
+    Returns:
+        :class:`AsyPPOAdvantages` (out keys ``advantages``, ``returns``, ``values``,
+        ``values_std``, ``advantage_keep``, ``entropy_keep``, ``asyppo_metrics``).
+
+    >>> r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    >>> v = torch.tensor([[[0.2, 0.4, 0.6], [0.5, 0.5, 0.0]], [[0.2, 0.6, 0.8], [0.1, 0.3, 0.0]]])
+    >>> m = torch.tensor([[True, True, True], [True, True, False]])
+    >>> out = ADVANTAGE_ESTIMATORS.entry("asyppo").call(
+    ...     {"token_rewards": r, "ensemble_values": v.movedim(0, -1), "response_mask": m}, lam=1.0)
+    >>> torch.equal(out.advantages, asyppo_advantages(r, v, m, lam=1.0).advantages)
+    True
+    """
+    check_ndim("ensemble_values", ensemble_values, 3)
+    check_same_device("ensemble_values", ensemble_values, "mask", mask)
+    check_same_device("token_rewards", token_rewards, "mask", mask)
+    for name, x in (("ensemble_values", ensemble_values), ("token_rewards", token_rewards), ("mask", mask)):
+        if x.is_meta:  # the disagreement masks rank the critics' std: they read values
+            raise ValueError(
+                f"{name}: is on the meta device; asyppo's disagreement masks rank the critics' values, "
+                "so there is no shape-only run"
+            )
+    return asyppo_advantages(
+        token_rewards,
+        ensemble_values.movedim(-1, 0),
+        mask,
+        gamma=gamma,
+        lam=lam,
+        advantage_mask_frac=advantage_mask_frac,
+        entropy_filter_frac=entropy_filter_frac,
+        unbiased=unbiased,
+    )

@@ -15,6 +15,7 @@ key                    shape       dtype     meaning
 ``behavior_logprobs``  ``[B, T]``  float     log-probs reported by the rollout engine
 ``ref_logprobs``       ``[B, T]``  float     reference policy, for KL
 ``values``             ``[B, T]``  float     critic values
+``ensemble_values``    ``[B,T,C]`` float     every critic's value (AsyPPO's ``C`` mini-critics)
 ``returns``            ``[B, T]``  float     return targets
 ``advantages``         ``[B, T]``  float     advantages
 ``rewards``            ``[B]``     float     sequence-level score
@@ -38,6 +39,7 @@ OLD_LOGPROBS = "old_logprobs"
 BEHAVIOR_LOGPROBS = "behavior_logprobs"
 REF_LOGPROBS = "ref_logprobs"
 VALUES = "values"
+ENSEMBLE_VALUES = "ensemble_values"
 OLD_VALUES = "old_values"
 RETURNS = "returns"
 ADVANTAGES = "advantages"
@@ -58,6 +60,9 @@ SAMPLE_WEIGHTS = "sample_weights"
 TRUNCATED = "truncated"
 ACCURACY = "accuracy"
 KEEP = "keep"
+# AsyPPO's per-token indicators (rollkit.critics.disagreement_masks)
+ADVANTAGE_KEEP = "advantage_keep"
+ENTROPY_KEEP = "entropy_keep"
 OVERLONG_PENALTY = "overlong_penalty"
 # Step-level (agentic) keys: one sample per agent step.
 STEP_REWARDS = "step_rewards"
@@ -97,6 +102,9 @@ SPECS: dict[str, KeySpec] = {
         KeySpec(BEHAVIOR_LOGPROBS, ("B", "T"), "float", "rollout-engine log-probs"),
         KeySpec(REF_LOGPROBS, ("B", "T"), "float", "reference-policy log-probs"),
         KeySpec(VALUES, ("B", "T"), "float", "critic values"),
+        KeySpec(ENSEMBLE_VALUES, ("B", "T", "C"), "float", "every critic's value (C mini-critics)"),
+        KeySpec(ADVANTAGE_KEEP, ("B", "T"), "bool", "tokens that keep their advantage (AsyPPO)"),
+        KeySpec(ENTROPY_KEEP, ("B", "T"), "bool", "tokens that get the entropy bonus (AsyPPO)"),
         KeySpec(OLD_VALUES, ("B", "T"), "float", "critic values at rollout time"),
         KeySpec(RETURNS, ("B", "T"), "float", "return targets"),
         KeySpec(ADVANTAGES, ("B", "T"), "float", "advantages"),
@@ -132,8 +140,11 @@ SPECS: dict[str, KeySpec] = {
 __all__ = [
     "ACCURACY",
     "ADVANTAGES",
+    "ADVANTAGE_KEEP",
     "BEHAVIOR_LOGPROBS",
+    "ENSEMBLE_VALUES",
     "ENTROPY",
+    "ENTROPY_KEEP",
     "ENTROPY_LOSS",
     "EPISODE_RETURNS",
     "GREEDY_REWARDS",

@@ -378,7 +378,7 @@ class Registry:
         return f"Registry({self.kind!r}, {len(self)} entries)"
 
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ["rollkit.advantages"])
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", ["rollkit.advantages", "rollkit.critics"])
 REWARD_TRANSFORMS = Registry("reward transform", ["rollkit.rewards"])
 FILTERS = Registry("sample filter", ["rollkit.filters"])
 POLICY_LOSSES = Registry("policy loss", ["rollkit.losses"])

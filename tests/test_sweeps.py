@@ -42,6 +42,7 @@ GROUPS_ON_META = {
         "reinforce++-baseline",
         "discounted_return",
         "ipa",
+        "asyppo",  # the disagreement masks rank the critics' std (quantiles read values)
     )
 } | {("filter", "zero_variance"), ("filter", "accuracy_band")}
 
@@ -69,6 +70,7 @@ def universal_batch(device="cpu", length=T):
         "ref_logprobs": lp + 0.1,
         "advantages": f(B, length),
         "values": f(B, length),
+        "ensemble_values": f(B, length, 2),
         "old_values": f(B, length),
         "returns": f(B, length),
         "token_rewards": f(B, length),

@@ -473,6 +473,7 @@ def _full_batch() -> dict[str, torch.Tensor]:
         "episode_returns": torch.tensor([1.0, 1.0, 0.0, 0.0, 1.5, 1.5]),  # constant per episode
         "loss": torch.randn(B, T, generator=g) * mask,  # a per-token loss matrix, for aggregations
         "entropy": torch.rand(B, T, generator=g) * 2,  # per-token entropy, for the entropy bonus
+        "ensemble_values": torch.randn(B, T, 2, generator=g),  # two critics' values (asyppo)
     }
 
 
