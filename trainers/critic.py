@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from rollkit.losses import aggregate, global_normalizers, value_loss
-from trainers.config import Config
+from trainers.config import Config, critic_ensemble
 from trainers.deps import require
 from trainers.engines.base import PackedBatch, TrainEngine, position_ids_from_mask
 from trainers.engines.build import build_model, make_train_engine, parse_dtype
@@ -61,9 +61,10 @@ __all__ = [
 
 
 def num_critics(cfg: Any) -> int:
-    """``critic.num_critics``, where 0 means 1 for ``gae`` and 2 (the paper's) for ``asyppo``."""
+    """``critic.num_critics``, where 0 means 1 for ``gae`` and 2 (the paper's) for an ensemble
+    estimator (``asyppo``: :func:`~trainers.config.algorithm.critic_ensemble`)."""
     k = cfg.critic.num_critics
-    return k if k else (2 if cfg.algorithm.advantage == "asyppo" else 1)
+    return k if k else (2 if critic_ensemble(cfg) else 1)
 
 
 @dataclass(frozen=True)

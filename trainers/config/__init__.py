@@ -36,7 +36,7 @@ from trainers.config.agentic import (
     WarmupConfig,
 )
 from trainers.config.algorithm import (
-    CRITIC_ADVANTAGES,
+    CRITIC_KEYS,
     RLVR_ONLY_ALGORITHM,
     AlgorithmConfig,
     CorrectionConfig,
@@ -44,6 +44,8 @@ from trainers.config.algorithm import (
     FilterConfig,
     KLConfig,
     check_registry_kwargs,
+    critic_advantages,
+    critic_ensemble,
     critic_needed,
 )
 from trainers.config.capabilities import (
@@ -106,7 +108,9 @@ from trainers.config.runs import (
 __all__ = [
     "AGENTIC_MODES",
     "ALIASES",
-    "CRITIC_ADVANTAGES",
+    "CRITIC_KEYS",
+    "critic_advantages",
+    "critic_ensemble",
     "DISTILL_MODES",
     "DOMAIN_KEYS",
     "DTYPE_NAMES",

@@ -6,13 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollkit import keys as K
 from rollkit.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from trainers.config.capabilities import TRAIN_ENGINES, OrEmpty
 from trainers.config.engines import check_model_path
 from trainers.config.fields import setting
 
 __all__ = [
-    "CRITIC_ADVANTAGES",
+    "CRITIC_KEYS",
+    "critic_advantages",
+    "critic_ensemble",
     "RLVR_ONLY_ALGORITHM",
     "AlgorithmConfig",
     "CorrectionConfig",
@@ -95,9 +98,22 @@ class AlgorithmConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
-#: the ``algorithm.advantage`` values that train with a learned critic (the loops then build the
-#: critic role and compute values for every batch)
-CRITIC_ADVANTAGES = ("gae", "asyppo")
+#: the batch keys of a learned critic's values: an estimator that reads one of them trains with a
+#: critic (``values``: one, ``gae``; ``ensemble_values``: an ensemble, AsyPPO's ``asyppo``)
+CRITIC_KEYS = (K.VALUES, K.ENSEMBLE_VALUES)
+
+
+def critic_advantages() -> tuple[str, ...]:
+    """The registered estimators that train with a learned critic (they read :data:`CRITIC_KEYS`)."""
+    return tuple(n for n in ADVANTAGE_ESTIMATORS.names() if _critic_key(n) is not None)
+
+
+def _critic_key(name: Any) -> str | None:
+    """The critic key (:data:`CRITIC_KEYS`) that estimator ``name`` reads; None: none, or not registered."""
+    if not isinstance(name, str) or name not in ADVANTAGE_ESTIMATORS:
+        return None
+    reads = set(ADVANTAGE_ESTIMATORS.entry(name).in_keys.values())
+    return next((k for k in CRITIC_KEYS if k in reads), None)
 
 
 @dataclass
@@ -182,11 +198,17 @@ RLVR_ONLY_ALGORITHM = (
 
 
 def critic_needed(cfg: Any) -> bool:
-    """Whether ``cfg.algorithm.advantage`` trains with a learned critic (:data:`CRITIC_ADVANTAGES`)."""
-    name = cfg.algorithm.advantage
-    if name != "asyppo" and name in ADVANTAGE_ESTIMATORS:
-        name = ADVANTAGE_ESTIMATORS.entry(name).name
-    return name in CRITIC_ADVANTAGES
+    """Whether ``cfg.algorithm.advantage`` trains with a learned critic: its registered
+    estimator reads a critic's values (:data:`CRITIC_KEYS`). The one place this is decided:
+    :func:`~trainers.roles.build_roles` builds the critic role from it, and the update stage
+    takes GAE over the critic where the roles have one."""
+    return _critic_key(cfg.algorithm.advantage) is not None
+
+
+def critic_ensemble(cfg: Any) -> bool:
+    """Whether ``cfg.algorithm.advantage`` reads an ensemble of critics (``ensemble_values``:
+    AsyPPO's mini-critics, two by default)."""
+    return _critic_key(cfg.algorithm.advantage) == K.ENSEMBLE_VALUES
 
 
 def check_registry_kwargs(cfg: Any) -> None:
@@ -222,9 +244,9 @@ def check_registry_kwargs(cfg: Any) -> None:
 
 
 def check_algorithm(a: AlgorithmConfig) -> None:
-    """``algorithm.advantage`` (a registered estimator, or AsyPPO's mini-critics, which are not
-    in the registry: [K, B, T] values) and ``algorithm.correction`` (no double correction)."""
-    if a.advantage != "asyppo" and a.advantage not in ADVANTAGE_ESTIMATORS:
+    """``algorithm.advantage`` (a registered estimator) and ``algorithm.correction`` (no double
+    correction)."""
+    if a.advantage not in ADVANTAGE_ESTIMATORS:
         names = ", ".join(sorted(ADVANTAGE_ESTIMATORS.names()))
         raise ValueError(
             f"algorithm.advantage: unknown {ADVANTAGE_ESTIMATORS.kind} {a.advantage!r}; known: {names}"
@@ -257,7 +279,7 @@ def check_critic(c: Any) -> None:
         if k.warmup_steps or k.num_critics:
             raise ValueError(
                 f"critic.warmup_steps / critic.num_critics: algorithm.advantage={c.algorithm.advantage!r} trains "
-                f"no critic; use one of {', '.join(CRITIC_ADVANTAGES)}"
+                f"no critic; use one of {', '.join(critic_advantages())}"
             )
         return
     extra = sorted(set(c.algorithm.advantage_kwargs) - {"gamma", "lam"})
@@ -270,7 +292,7 @@ def check_critic(c: Any) -> None:
         v = c.algorithm.advantage_kwargs.get(key, 1.0)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"algorithm.advantage_kwargs.{key} must be a number in [0, 1], got {v!r}")
-    if c.algorithm.advantage != "asyppo" and k.num_critics > 1:
+    if not critic_ensemble(c) and k.num_critics > 1:
         raise ValueError(
             f"critic.num_critics={k.num_critics}: several mini-critics are AsyPPO's; set algorithm.advantage=asyppo "
             "(or critic.num_critics=1)"

@@ -51,10 +51,10 @@ INPUT_IDS = "input_ids"  # [B, P + T] long
 ATTENTION_MASK = "attention_mask"  # [B, P + T] long (1 = real token)
 PROMPT_INDEX = "prompt_index"  # [B] long: the prompt of each sample in the step
 TOKEN_KEEP = "token_keep"  # [B, T] bool: tokens the loss keeps (correction rejects, max-length mask)
-ENTROPY_KEEP = "entropy_keep"  # [B, T] bool: tokens that get the entropy bonus (AsyPPO's filter)
+ENTROPY_KEEP = K.ENTROPY_KEEP  # [B, T] bool: tokens that get the entropy bonus (AsyPPO's filter)
 
 _SEQ_KEYS = (INPUT_IDS, ATTENTION_MASK)  # [B, P + T]
-_TOKEN_KEYS = (TOKEN_KEEP, ENTROPY_KEEP)  # [B, T] besides rollkit.keys' ("B", "T") ones
+_TOKEN_KEYS = (TOKEN_KEEP,)  # [B, T] besides rollkit.keys' ("B", "T") ones
 
 # the PackedBatch field of each key its view carries
 _VIEW_FIELDS = {

@@ -7,8 +7,9 @@ the group update asks the critic role for the batch's values and trains on::
     V      = critic.values(batch)                        [K, B, T]   (K = 1 for gae)
     r      = token_level_rewards(scores, mask, kl=KL penalty)   the score on the last token,
                                                           - coef * KL_t per token (kl.mode=reward)
-    gae:    A, R = gae_advantages(r, V[0], mask, gamma, lam)
-    asyppo: A, R, keep_A, keep_H = asyppo_advantages(r, V, mask, gamma, lam, k, h)
+    K = 1:  A, R = ADVANTAGE_ESTIMATORS["gae"](token_rewards=r, values=V[0], response_mask)
+    K > 1:  A, R, keep_A, keep_H = ADVANTAGE_ESTIMATORS["asyppo"](token_rewards=r,
+                                   ensemble_values=V as [B, T, K], response_mask, k, h)
             (GAE over the critics' mean; A masked where they agree most; the entropy bonus
             dropped where they disagree most: the step batch's entropy_keep)
     critic.update(batch, V, R, shards)                   each critic on its shard (AsyPPO), else all
@@ -29,10 +30,10 @@ from typing import Any
 
 import torch
 
-from rollkit.advantages import gae_advantages
-from rollkit.critics import asyppo_advantages, critic_shards
-from rollkit.keys import RESPONSE_MASK, RETURNS, VALUES
+from rollkit.critics import critic_shards
+from rollkit.keys import ENSEMBLE_VALUES, RESPONSE_MASK, RETURNS, TOKEN_REWARDS, VALUES
 from rollkit.ops import explained_variance, masked_whiten
+from rollkit.registry import ADVANTAGE_ESTIMATORS
 from trainers.config import Config
 from trainers.engines.step import ENTROPY_KEEP, StepBatch
 
@@ -64,15 +65,16 @@ class CriticStep:
         values = self.critic.values(b.view())  # [K, B, T]
         self.old_values = values
         K = values.shape[0]
+        inputs = {TOKEN_REWARDS: rewards, RESPONSE_MASK: mask}  # the estimators read them by key
         if K == 1:
-            adv, ret = gae_advantages(rewards, values[0], mask, gamma=gamma, lam=lam)
+            adv, ret = ADVANTAGE_ESTIMATORS.entry("gae").call({**inputs, VALUES: values[0]}, gamma=gamma, lam=lam)
             v = values[0]
             if cfg.critic.whiten_advantages and int(mask.sum()) >= 2:
                 adv = masked_whiten(adv, mask)
         else:
             k = cfg.critic
-            out = asyppo_advantages(
-                rewards, values, mask, gamma=gamma, lam=lam,
+            out = ADVANTAGE_ESTIMATORS.entry("asyppo").call(
+                {**inputs, ENSEMBLE_VALUES: values.movedim(0, -1)}, gamma=gamma, lam=lam,
                 advantage_mask_frac=k.advantage_mask_frac, entropy_filter_frac=k.entropy_filter_frac,
             )  # fmt: skip
             adv, ret, v = out.advantages, out.returns, out.values
