@@ -45,7 +45,6 @@ from rollkit.losses.kl import AdaptiveKLController
 from rollkit.ops import masked_whiten
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.rewards import clip_advantages
-from trainers.config import critic_needed
 from trainers.engines.base import batch_logprobs
 from trainers.engines.step import StepBatch
 from trainers.learner import apply_correction, loss_mask, needs_recompute, rollout_kl
@@ -111,12 +110,12 @@ class UpdateStage:
     def __init__(self, cfg: Any, roles: Roles) -> None:
         self.cfg, self.roles = cfg, roles
         a = cfg.algorithm
+        self.critic = roles.critic  # an estimator that reads values (gae / asyppo): the learned critic role
         # the registry estimator; none with a critic (GAE over its values, CriticStep)
-        self.adv_entry = None if critic_needed(cfg) else ADVANTAGE_ESTIMATORS.entry(a.advantage)
+        self.adv_entry = None if self.critic is not None else ADVANTAGE_ESTIMATORS.entry(a.advantage)
         self.kl_ctrl = (
             AdaptiveKLController(a.kl.coef, target=a.kl.target, horizon=a.kl.horizon) if a.kl.target else None
         )
-        self.critic = roles.critic  # algorithm.advantage=gae / asyppo: the learned critic role
         self.critic_step: CriticStep | None = None
 
     def run(
