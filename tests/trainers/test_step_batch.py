@@ -115,3 +115,28 @@ def test_a_policy_loss_reads_a_new_key_from_the_batch():
         assert torch.equal(avail["response_mask"], b.loss_mask) and avail["behavior_logprobs"] is b["old_logprobs"]
     finally:
         POLICY_LOSSES._entries.pop(name, None)
+
+
+def test_the_config_accepts_a_loss_that_reads_what_the_step_batch_will_hold():
+    """A policy loss that reads ``ref_logprobs`` (a KL-regularised loss of the user's) passes
+    validation where the run has a reference (``algorithm.kl.coef > 0``: the stage adds the key)
+    and is refused, before any model loads, naming the key, where it has none."""
+    from trainers.config import load_config
+
+    def ref_anchored_pg(logprobs, advantages, mask, ref_logprobs):
+        return LossOutput(-(advantages * logprobs + 0.1 * ref_logprobs) * mask, {})
+
+    name = "test-ref-anchored-pg"
+    POLICY_LOSSES.register(
+        name, ref_anchored_pg,
+        in_keys={"logprobs": "logprobs", "advantages": "advantages", "mask": "response_mask",
+                 "ref_logprobs": "ref_logprobs"},
+    )  # fmt: skip
+    try:
+        base = ["--model", "tiny", f"algorithm.policy_loss={name}"]
+        cfg = load_config([*base, "algorithm.kl.coef=0.1"])
+        assert cfg.algorithm.policy_loss == name
+        with pytest.raises(ValueError, match=rf"algorithm.policy_loss='{name}' needs \['ref_logprobs'\]"):
+            load_config(base)
+    finally:
+        POLICY_LOSSES._entries.pop(name, None)

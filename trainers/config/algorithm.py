@@ -183,8 +183,28 @@ class FilterConfig:
 # --------------------------------------------------------------------------- checks across fields
 
 #: what the RLVR loops give the estimator and the policy loss (batch keys)
-RLVR_ADVANTAGE_INPUTS = ("rewards", "group_ids", "response_mask", "response_length")
-RLVR_LOSS_INPUTS = ("logprobs", "old_logprobs", "behavior_logprobs", "advantages", "response_mask")
+RLVR_ADVANTAGE_INPUTS = (K.REWARDS, K.GROUP_IDS, K.RESPONSE_MASK, K.RESPONSE_LENGTH)
+#: what every RLVR policy loss gets (the learner's ``logprobs`` and the step batch's keys)
+RLVR_LOSS_INPUTS = (K.LOGPROBS, K.OLD_LOGPROBS, K.BEHAVIOR_LOGPROBS, K.ADVANTAGES, K.RESPONSE_MASK)
+
+
+def rlvr_loss_inputs(cfg: Any) -> tuple[str, ...]:
+    """The keys an RLVR policy loss can read in run ``cfg``: :data:`RLVR_LOSS_INPUTS`, the step
+    batch's own (``rewards``, ``group_ids``, ``prompt_index``) and those its stages add for this
+    config (``trainers.engines.step``): ``ref_logprobs`` and ``kl`` with a reference
+    (``algorithm.kl.coef > 0``), ``values`` and ``returns`` with a critic (and ``entropy_keep``
+    with an ensemble), ``token_keep`` with the correction or the max-length mask. A loss that
+    needs another key is refused before any model loads; one that reads a key a stage adds needs
+    that key named here."""
+    a = cfg.algorithm
+    keys = [*RLVR_LOSS_INPUTS, K.REWARDS, K.GROUP_IDS, "prompt_index"]
+    if a.kl.coef > 0:
+        keys += [K.REF_LOGPROBS, K.KL]
+    if critic_needed(cfg):
+        keys += [K.VALUES, K.RETURNS] + ([K.ENTROPY_KEEP] if critic_ensemble(cfg) else [])
+    if a.correction.level != "off" or getattr(getattr(cfg, "filter", None), "max_len_mask", False):
+        keys.append("token_keep")
+    return tuple(keys)
 #: Policy losses that weight by ``behavior_logprobs`` themselves (a second correction would double it).
 SELF_CORRECTING_LOSSES = ("tis", "decoupled-ppo")
 #: ``algorithm`` options of the RLVR credit (one reward per sample: its normalisation and clip)
@@ -317,7 +337,7 @@ def check_rlvr_algorithm(c: Any) -> None:
     get groups; ROLL's reward / advantage / filter / adaptive-KL options (docs/trainer.md)."""
     a = c.algorithm
     _check_inputs(
-        "algorithm.policy_loss", POLICY_LOSSES.entry(a.policy_loss), RLVR_LOSS_INPUTS, "the RLVR trainer"
+        "algorithm.policy_loss", POLICY_LOSSES.entry(a.policy_loss), rlvr_loss_inputs(c), "the RLVR trainer"
     )
     if not critic_needed(c):  # the critic path builds token rewards and values itself
         adv = ADVANTAGE_ESTIMATORS.entry(a.advantage)

@@ -32,19 +32,18 @@ import torch
 from rollkit.keys import (
     ADVANTAGES,
     BEHAVIOR_LOGPROBS,
-    GROUP_IDS,
     KL,
     OLD_LOGPROBS,
     REF_LOGPROBS,
     RESPONSE_LENGTH,
     RESPONSE_MASK,
-    REWARDS,
     STEP_IDS,
 )
 from rollkit.losses.kl import AdaptiveKLController
 from rollkit.ops import masked_whiten
 from rollkit.registry import ADVANTAGE_ESTIMATORS
 from rollkit.rewards import clip_advantages
+from trainers.config.algorithm import RLVR_ADVANTAGE_INPUTS
 from trainers.engines.base import batch_logprobs
 from trainers.engines.step import StepBatch
 from trainers.learner import apply_correction, loss_mask, needs_recompute, rollout_kl
@@ -55,9 +54,10 @@ from trainers.roles import Roles
 __all__ = ["Credit", "UpdateStage", "row_advantages"]
 
 
-#: what a row-level estimator reads from the step batch (by key); the KL penalty is already in
-#: the rewards (kl.mode=reward), so an estimator's optional ``kl`` input is not given it
-ROW_ADVANTAGE_INPUTS = (REWARDS, GROUP_IDS, RESPONSE_MASK, RESPONSE_LENGTH)
+#: what a row-level estimator reads from the step batch (by key; the config's check of the
+#: estimator uses the same list); the KL penalty is already in the rewards (kl.mode=reward), so
+#: an estimator's optional ``kl`` input is not given it
+ROW_ADVANTAGE_INPUTS = RLVR_ADVANTAGE_INPUTS
 
 
 def row_advantages(entry: Any, batch: Any, kwargs: dict[str, Any]) -> torch.Tensor:
