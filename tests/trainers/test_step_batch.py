@@ -7,6 +7,7 @@ the stage that writes the key plus the loss)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 
@@ -20,6 +21,18 @@ from trainers.engines.base import Generation
 from trainers.engines.step import TOKEN_KEEP, StepBatch
 from trainers.learner import UpdateSpec, loss_inputs, ppo_update
 from trainers.models import char_tokenizer, tiny_qwen2
+
+
+@contextlib.contextmanager
+def _policy_loss(name, fn, extra_key):
+    """``fn`` registered as the policy loss ``name`` for the block: it reads ``logprobs``,
+    ``advantages``, ``response_mask`` and the batch key ``extra_key`` (its last argument)."""
+    keys = {"logprobs": "logprobs", "advantages": "advantages", "mask": "response_mask", extra_key: extra_key}
+    POLICY_LOSSES.register(name, fn, in_keys=keys)
+    try:
+        yield name
+    finally:
+        POLICY_LOSSES._entries.pop(name, None)
 
 
 def _packed():
@@ -83,13 +96,7 @@ def test_a_policy_loss_reads_a_new_key_from_the_batch():
         loss = -advantages * token_weights * logprobs * mask
         return LossOutput(loss, {"weight_mean": token_weights[mask].mean().detach()})
 
-    name = "test-weighted-pg"
-    POLICY_LOSSES.register(
-        name, weighted_pg,
-        in_keys={"logprobs": "logprobs", "advantages": "advantages", "mask": "response_mask",
-                 "token_weights": "token_weights"},
-    )  # fmt: skip
-    try:
+    with _policy_loss("test-weighted-pg", weighted_pg, "token_weights") as name:
         tok = char_tokenizer()
         model = tiny_qwen2(tok, seed=0)
         gens = [
@@ -113,8 +120,6 @@ def test_a_policy_loss_reads_a_new_key_from_the_batch():
         avail = loss_inputs(b, torch.zeros(2, 3))
         assert "token_weights" in avail and "is_weights" not in avail
         assert torch.equal(avail["response_mask"], b.loss_mask) and avail["behavior_logprobs"] is b["old_logprobs"]
-    finally:
-        POLICY_LOSSES._entries.pop(name, None)
 
 
 def test_the_config_accepts_a_loss_that_reads_what_the_step_batch_will_hold():
@@ -126,17 +131,9 @@ def test_the_config_accepts_a_loss_that_reads_what_the_step_batch_will_hold():
     def ref_anchored_pg(logprobs, advantages, mask, ref_logprobs):
         return LossOutput(-(advantages * logprobs + 0.1 * ref_logprobs) * mask, {})
 
-    name = "test-ref-anchored-pg"
-    POLICY_LOSSES.register(
-        name, ref_anchored_pg,
-        in_keys={"logprobs": "logprobs", "advantages": "advantages", "mask": "response_mask",
-                 "ref_logprobs": "ref_logprobs"},
-    )  # fmt: skip
-    try:
+    with _policy_loss("test-ref-anchored-pg", ref_anchored_pg, "ref_logprobs") as name:
         base = ["--model", "tiny", f"algorithm.policy_loss={name}"]
         cfg = load_config([*base, "algorithm.kl.coef=0.1"])
         assert cfg.algorithm.policy_loss == name
         with pytest.raises(ValueError, match=rf"algorithm.policy_loss='{name}' needs \['ref_logprobs'\]"):
             load_config(base)
-    finally:
-        POLICY_LOSSES._entries.pop(name, None)
