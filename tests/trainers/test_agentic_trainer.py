@@ -367,19 +367,22 @@ def test_kl_to_a_frozen_reference(tmp_path, mode):
 def test_kl_reward_penalty_lands_on_each_turn(tmp_path):
     """The per-turn KL penalty (the shared stage's reference step with the agentic credit): each
     step's reward loses coef x the summed KL of that turn's tokens."""
-    from trainers.engines.base import PackedBatch
+    from trainers.engines.step import StepBatch
 
     cfg = tiny_cfg(tmp_path, "rollout.mode=lockstep", "algorithm.kl.coef=2.0", "algorithm.kl.mode=reward")
     with AgenticTrainer(cfg) as tr:
         tr._ensure_reference()
         batch = tr.collect().to_batch(max_context=cfg.env.max_context, pad_token_id=tr.pad_id)
         L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
-        packed = PackedBatch(batch.input_ids, batch.attention_mask, batch.response_mask, L - T,
-                             old_logprobs=batch.behavior_logprobs - 0.1 * batch.response_mask)  # fmt: skip
+        old = batch.behavior_logprobs - 0.1 * batch.response_mask
+        step = StepBatch({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                          "response_mask": batch.response_mask, "old_logprobs": old}, prompt_len=L - T)  # fmt: skip
         before = batch.step_rewards.clone(), batch.rewards.clone()
         metrics: dict[str, float] = {}
-        ref = tr.update._reference(packed, TrajectoryCredit(batch), Timer(), metrics) * batch.response_mask
-        kl = torch.exp(ref - packed.old_logprobs) - (ref - packed.old_logprobs) - 1  # k3
+        tr.update._reference(step, TrajectoryCredit(batch), Timer(), metrics)  # adds ref_logprobs and kl
+        ref = step["ref_logprobs"] * batch.response_mask
+        kl = torch.exp(ref - old) - (ref - old) - 1  # k3
+        torch.testing.assert_close(step["kl"], kl * batch.response_mask, rtol=0, atol=1e-5)
         pen = 2.0 * kl * batch.response_mask
         for n in range(len(before[0])):
             row, k = int(batch.traj_ids[n]), int(batch.step_index[n])
@@ -468,9 +471,9 @@ def test_ipa_by_name_gets_the_turns_as_chunks(tmp_path, monkeypatch):
                    "algorithm.advantage_kwargs={gamma: 0.9}", "rollout.mode=lockstep")  # fmt: skip
     seen, real = {}, learner.ppo_update
 
-    def spy(engine, packed, adv, spec, **kw):  # records what the update received
-        seen["step_ids"] = packed.step_ids
-        return real(engine, packed, adv, spec, **kw)
+    def spy(engine, batch, spec, **kw):  # records what the update received (the step batch)
+        seen["step_ids"] = batch.get("step_ids")
+        return real(engine, batch, spec, **kw)
 
     monkeypatch.setattr(learner, "ppo_update", spy)
     with AgenticTrainer(cfg) as trainer:

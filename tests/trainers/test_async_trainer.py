@@ -171,7 +171,7 @@ def test_recomputed_proximal_logprobs_feed_the_off_policy_loss(tmp_path):
 
         def spy(batch, timer):
             orig(batch, timer)
-            seen.append(batch.behavior_logprobs is not None)
+            seen.append(batch.get("behavior_logprobs") is not None)
 
         tr.update.recompute_proximal = spy
         stale = []
