@@ -266,6 +266,7 @@ def build_roles(
     reward_fn: Any = None,
     reference: Any = None,
     critic: Any = None,
+    critic_model: Any = None,
     max_positions: int = 512,
     reference_later: bool = False,
     rollout_may_sleep: bool = True,
@@ -283,6 +284,9 @@ def build_roles(
             ``batch_logprobs`` method); default: a frozen copy of the initial policy.
         critic: the critic (a :class:`~trainers.critic.Critic`) when ``algorithm.advantage`` is
             ``gae`` or ``asyppo``; default: built from ``critic.*`` (a Ray actor on Ray).
+        critic_model: the policy the built critic starts from (``critic.model_path`` unset)
+            when it is not ``model`` (the agentic trainer's on Ray: ``model`` before its
+            warm-up, as the in-process critic); default: ``model``.
         max_positions: the tiny model's positions when it is built here (the agentic runs:
             ``env.max_context``).
         reference_later: in process, the frozen copy of the policy is made by
@@ -295,12 +299,13 @@ def build_roles(
     """
     owned: list[Any] = []
     ray_critic = None
+    critic_model = model if critic_model is None else critic_model
     if critic is None and not cfg.ray.enabled:  # before the engines: LoRA wraps the policy in place
-        critic = _critic(cfg, model, None, None)
+        critic = _critic(cfg, critic_model, None, None)
     if rollout is None or train is None:
         if cfg.ray.enabled:
             ray_roles = build_ray_roles(
-                cfg, model=model, tokenizer=tokenizer, reference=cfg.algorithm.kl.coef > 0
+                cfg, model=model, tokenizer=tokenizer, reference=cfg.algorithm.kl.coef > 0, critic_model=critic_model
             )
             owned.append(ray_roles)
             rollout, train, tokenizer = ray_roles.rollout, ray_roles.train, ray_roles.tokenizer
@@ -315,7 +320,7 @@ def build_roles(
     if tokenizer is None:
         raise ValueError("tokenizer: required when the engines are passed in")
     try:
-        critic = _critic(cfg, model, critic, ray_critic)
+        critic = _critic(cfg, critic_model, critic, ray_critic)
         scored = hasattr(cfg, "reward")
         verifier = build_verifier(cfg) if scored else None
         rewards = reward_pool(cfg, verifier, reward_fn) if scored else None

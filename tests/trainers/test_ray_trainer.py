@@ -580,10 +580,11 @@ def test_megatron_tensor_parallel_on_ray_equals_one_rank(cluster, tok, warm_mode
 
 @pytest.mark.slow
 def test_agentic_on_ray_reproduces_the_in_process_episodes(cluster, tmp_path):
-    """The agentic trainer with ray.enabled: its rollout, train and reference roles are Ray actors
-    (colocated), the environments stay in this process; with lock-step seeded sampling (float32)
-    the first step plays the in-process run's episodes action for action, with its rewards and its
-    KL, and the update and weight sync go through the actors."""
+    """The agentic trainer with ray.enabled: its rollout, train, reference and critic roles are Ray
+    actors (colocated), the environments stay in this process; with lock-step seeded sampling
+    (float32) the first step plays the in-process run's episodes action for action, with its
+    rewards, its KL and its critic's values (GAE over a critic: algorithm.advantage=gae), and the
+    update and weight sync go through the actors."""
     from trainers.config import AgenticConfig
     from trainers.loops.agentic import AgenticTrainer
 
@@ -592,6 +593,7 @@ def test_agentic_on_ray_reproduces_the_in_process_episodes(cluster, tmp_path):
         "env.max_turns=2", "env.max_context=800", "rollout.mode=lockstep", "rollout.groups_per_step=2",
         "rollout.group_size=2", "rollout.max_tokens=6", "train.lr=1e-2", "train.micro_batch_size=4",
         "algorithm.kl.coef=0.1", "algorithm.entropy_coef=0.5", "logging.tensorboard=false", "logging.progress=false",
+        "algorithm.advantage=gae", "critic.lr=1e-3",
     ]  # fmt: skip
     runs = {}
     for name, extra in (("local", []), ("ray", ["ray.enabled=true", "placement.cpus_per_worker=0.5"])):
@@ -607,10 +609,12 @@ def test_agentic_on_ray_reproduces_the_in_process_episodes(cluster, tmp_path):
             if name == "ray":
                 # the shared roles: the rollout, train and reference roles are the Ray actors
                 assert on_ray(tr.roles.rollout) and type(tr.reference).__module__.startswith("trainers.ray")
+                assert type(tr.critic).__module__.startswith("trainers.ray")
     (local, l1, _, lv), (ray_, r1, r2, rv) = runs["local"], runs["ray"]
     actions = lambda batches: [[e.actions for e in b.episodes] for b in batches]  # noqa: E731
     assert actions(ray_[:1]) == actions(local[:1])
-    for key in ("reward/mean", "kl/rollout", "train/logprob_gap"):  # the loop's UpdateSpec travels to the actors
+    # the loop's UpdateSpec travels to the actors; the Ray critic starts from the same policy
+    for key in ("reward/mean", "kl/rollout", "train/logprob_gap", "critic/values_mean", "critic/returns_mean"):
         assert r1[key] == pytest.approx(l1[key], abs=1e-5)
     assert set(l1) - set(r1) == set(), sorted(set(l1) - set(r1))  # every in-process metric on Ray too
     assert r1["optim/grad_norm"] == pytest.approx(l1["optim/grad_norm"], rel=1e-4)

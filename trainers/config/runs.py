@@ -227,10 +227,6 @@ def validate_agentic(cfg: AgenticConfig) -> None:
             "placement.offload_train: not wired in the agentic trainer (its rollout and update overlap)"
         )
     check_remote_rollout(cfg)
-    if cfg.ray.enabled and critic_needed(cfg):
-        raise ValueError(
-            f"algorithm.advantage={a.advantage}: the agentic critic runs in process; set ray.enabled=false"
-        )
     _check_shared(cfg)
     _stamp(cfg)
 

@@ -19,6 +19,7 @@ current one trains, with a per-turn staleness bound. Configuration:
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -33,7 +34,7 @@ import torch
 from rollkit.advantages import anchor_state_index
 from rollkit.keys import GROUP_IDS, OLD_LOGPROBS, RESPONSE_MASK, REWARDS, STEP_IDS
 from rollkit.trajectory import TrajectoryBatch
-from trainers.config import AgenticConfig, validate_agentic
+from trainers.config import AgenticConfig, critic_needed, validate_agentic
 from trainers.deps import require
 from trainers.engines.base import SamplingParams
 from trainers.engines.build import build_engines, build_model, parse_dtype
@@ -228,17 +229,19 @@ class AgenticTrainer:
         self.spec = replace(UpdateSpec.from_config(cfg), logprob_gap=True)
         self._prewarmed = False
         positions = max(512, cfg.env.max_context)  # the tiny model's positions, when built here
-        model = None
+        model = critic_model = None
         if cfg.ray.enabled and (rollout_engine is None or train_engine is None):
             # the Ray actors start from this model, warmed up here (warmup.*, unless resuming)
             model, tokenizer = build_model(cfg, max_positions=positions)
             self._set_tokenizer(tokenizer)
             if cfg.warmup.steps and not cfg.checkpoint.resume:
+                if critic is None and critic_needed(cfg):  # the critic starts before the warm-up, as in process
+                    critic_model = copy.deepcopy(model)
                 self._warmup_loss = self._warm(TorchTrainEngine(model, dtype=parse_dtype(cfg.model.dtype)))
                 self._prewarmed = True
         # the shared roles; in process the frozen reference is made as RL starts (after the warm-up)
         self.roles = build_roles(cfg, rollout=rollout_engine, train=train_engine, tokenizer=tokenizer, model=model,
-                                 reference=reference, critic=critic, max_positions=positions,
+                                 reference=reference, critic=critic, critic_model=critic_model, max_positions=positions,
                                  reference_later=True, rollout_may_sleep=False)  # fmt: skip
         if model is None:
             self._set_tokenizer(self.roles.tokenizer)

@@ -480,13 +480,14 @@ def _tokenizer(cfg: Config) -> Any:
 
 
 def build_ray_roles(
-    cfg: Config, *, model: Any = None, tokenizer: Any = None, reference: bool = False
+    cfg: Config, *, model: Any = None, tokenizer: Any = None, reference: bool = False, critic_model: Any = None
 ) -> RayRoles:
     """Start the roles of ``cfg`` as Ray actors placed by ``cfg.placement``.
 
     ``model`` (with ``tokenizer``): the initial policy, put once in the object store and
     loaded by every actor; ``None``: every actor builds ``cfg.model`` itself (a checkpoint
     path must then exist on every node). ``reference``: start a reference actor.
+    ``critic_model``: the policy the critic actor starts from when it is not ``model``.
     """
     ray = ray_module()
     init_ray(cfg)
@@ -522,7 +523,8 @@ def build_ray_roles(
         workers = [start(TrainWorker, s, s.index, len(train_slots)) for s in train_slots]
         rollouts = [start(RolloutWorker, s, model_ref, tokenizer) for s in plan.slots("rollout")]
         ref_actor = [start(ReferenceWorker, s, model_ref, tokenizer) for s in plan.slots("reference")]
-        critic_actor = [start(CriticWorker, s, model_ref, tokenizer) for s in plan.slots("critic")]
+        critic_ref = model_ref if critic_model is None or critic_model is model else ray.put(critic_model)
+        critic_actor = [start(CriticWorker, s, critic_ref, tokenizer) for s in plan.slots("critic")]
         # starting: the actors' processes, constructors and model loads, the process group
         t, setting = cfg.ray.startup_timeout_s, "ray.startup_timeout_s"
         addr, port = call(workers[0].address.remote(), "train rank 0 (address)", t, setting)
