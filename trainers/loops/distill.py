@@ -195,11 +195,11 @@ class DistillTrainer:
         groups, metrics, lengths = self.collector.collect(self.global_step, timer)
         if groups:
             if self.cfg.distill.mode == "loss":
+                batch = pack_generations([g for _, gs, _ in groups for g in gs], self.codec.pad_id)
                 if self.roles.offload:  # a colocated rollout sleeps, an offloaded train state returns
                     with timer("offload"):
                         self.roles.sleep_rollout()
                 with timer("train"):
-                    batch = pack_generations([g for _, gs, _ in groups for g in gs], self.codec.pad_id)
                     metrics.update(self.distill_update(batch, timer))
             else:  # the shared update stage (it also puts a colocated rollout to sleep)
                 metrics.update(self.rl_update(groups, timer))
