@@ -620,3 +620,32 @@ def test_agentic_on_ray_reproduces_the_in_process_episodes(cluster, tmp_path):
     assert r1["optim/grad_norm"] == pytest.approx(l1["optim/grad_norm"], rel=1e-4)
     assert rv == lv == 2 and "kl/rollout" in r2
     assert _no_leaks()
+
+
+def test_the_agentic_ray_critic_starts_from_the_policy_before_its_warm_up(cluster, tmp_path):
+    """On Ray the agentic trainer warms the policy up in the driver before the actors start; the
+    critic actor starts from the policy as it was *before* that warm-up, as the in-process critic
+    does (which loads ``model.*`` afresh): the two critics' weights are equal, and the warm-up did
+    move the policy (so a critic started from the warmed policy would differ)."""
+    from trainers.config import AgenticConfig
+    from trainers.loops.agentic import AgenticTrainer
+
+    common = [
+        "--model", "tiny", "env.kwargs={size: 2, hole_prob: 0.0, max_turns: 2, end_on_format_error: false}",
+        "env.max_turns=2", "env.max_context=800", "rollout.groups_per_step=2", "rollout.group_size=2",
+        "rollout.max_tokens=6", "algorithm.advantage=gae", "warmup.steps=2", "logging.tensorboard=false",
+        "logging.progress=false",
+    ]  # fmt: skip
+    critics = {}
+    for name, extra in (("local", []), ("ray", ["ray.enabled=true", "placement.cpus_per_worker=0.5"])):
+        cfg = load_config([*common, *extra, f"logging.dir={tmp_path / name}"], base=AgenticConfig())
+        with AgenticTrainer(cfg) as tr:
+            critics[name] = {k: v.clone() for k, v in tr.critic.state_dict()["critics"][0]["model"].items()}
+            if name == "ray":
+                assert type(tr.critic).__module__.startswith("trainers.ray") and tr._prewarmed
+                warmed = dict(tr.learner.weights())
+    local, ray_ = critics["local"], critics["ray"]
+    assert list(local) == list(ray_) and all(torch.equal(local[k], ray_[k]) for k in local)
+    shared = [k for k in ray_ if k.startswith("model.") and k in warmed]  # the backbone, by the policy's names
+    assert shared and any(not torch.equal(ray_[k], warmed[k]) for k in shared)
+    assert _no_leaks()
