@@ -45,7 +45,6 @@ __all__ = [
     "UpdateStats",
     "apply_correction",
     "loss_inputs",
-    "loss_mask",
     "micro_batches",
     "needs_recompute",
     "pack_by_tokens",
@@ -144,15 +143,6 @@ def rollout_kl(
     return kl, float(kl.sum() / mask.sum().clamp(min=1))
 
 
-def loss_mask(batch: StepBatch | PackedBatch) -> torch.Tensor:
-    """``[B, T]`` the tokens the loss trains on: the response, minus those the mismatch
-    correction or the max-length mask rejected (``token_keep``; a packed batch's ``keep``). The
-    global normalisers count these tokens."""
-    if isinstance(batch, StepBatch):
-        return batch.loss_mask
-    return batch.response_mask if batch.keep is None else batch.response_mask & batch.keep
-
-
 def needs_recompute(correction: Any) -> bool:
     """Whether ``algorithm.correction`` needs the old log-probs recomputed on the trainer."""
     return bool(correction.recompute_old) or correction.level != "off"
@@ -198,7 +188,7 @@ _LEARNER_KEYS = (IS_WEIGHTS,)
 def loss_inputs(mb: StepBatch, logprobs: torch.Tensor) -> dict[str, Any]:
     """What a policy loss's registry call reads (by key): the micro-batch's keys, plus
     ``logprobs`` (the trainer's, with gradient), ``response_mask`` = the loss mask
-    (:func:`loss_mask`) and ``behavior_logprobs`` = the old ones where the rollout's are the
+    (the step batch's ``loss_mask``) and ``behavior_logprobs`` = the old ones where the rollout's are the
     same; ``is_weights`` stay with the learner."""
     avail: dict[str, Any] = {k: v for k, v in mb.items() if k not in _LEARNER_KEYS}
     avail[LOGPROBS] = logprobs
@@ -208,11 +198,11 @@ def loss_inputs(mb: StepBatch, logprobs: torch.Tensor) -> dict[str, Any]:
 
 
 def _micro_batch_loss(
-    engine: TrainEngine, mb: StepBatch, spec: UpdateSpec, loss_entry: Entry, norms: dict[str, Any]
+    engine: TrainEngine, mb: StepBatch, view: PackedBatch, spec: UpdateSpec, loss_entry: Entry, norms: dict[str, Any]
 ) -> tuple[torch.Tensor, dict[str, Any], torch.Tensor, torch.Tensor]:
-    """``(loss, loss metrics, log-probs, entropy)`` of one micro-batch: the policy loss (+ the
-    entropy and KL terms), each aggregated with the mini-batch's global normalisers."""
-    view = mb.view()
+    """``(loss, loss metrics, log-probs, entropy)`` of one micro-batch (``view``: its packed
+    view): the policy loss (+ the entropy and KL terms), each aggregated with the mini-batch's
+    global normalisers."""
     lp, ent = engine.logprobs(
         view.input_ids,
         view.attention_mask,
@@ -307,11 +297,12 @@ def ppo_update(
                 mb = batch.rows(rows)
                 if pad:
                     mb = mb.replace(**{RESPONSE_MASK: torch.zeros_like(mb[RESPONSE_MASK]), TOKEN_KEEP: None})
-                loss, loss_metrics, lp, ent = _micro_batch_loss(engine, mb, spec, loss_entry, norms)
+                view = mb.view()
+                loss, loss_metrics, lp, ent = _micro_batch_loss(engine, mb, view, spec, loss_entry, norms)
                 engine.backward(loss)
                 if not pad:
-                    _add_micro_batch_stats(stats, mb.view(), loss_metrics, lp, ent, spec)
-                    _add_padding_stats(stats, mb.view(), spec.packing)
+                    _add_micro_batch_stats(stats, view, loss_metrics, lp, ent, spec)
+                    _add_padding_stats(stats, view, spec.packing)
                     if spec.mismatch and epoch == 0 and m0 == 0:  # the weights that sampled (sync)
                         behavior = mb.get(BEHAVIOR_LOGPROBS, mb[OLD_LOGPROBS])
                         stats.mismatch.append(mismatch_stats(lp.detach(), behavior, mb[RESPONSE_MASK]))

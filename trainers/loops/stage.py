@@ -46,7 +46,7 @@ from rollkit.rewards import clip_advantages
 from trainers.config.algorithm import RLVR_ADVANTAGE_INPUTS
 from trainers.engines.base import batch_logprobs
 from trainers.engines.step import StepBatch
-from trainers.learner import apply_correction, loss_mask, needs_recompute, rollout_kl
+from trainers.learner import apply_correction, needs_recompute, rollout_kl
 from trainers.loops.common import Timer
 from trainers.loops.critic_step import CriticStep
 from trainers.roles import Roles
@@ -191,7 +191,7 @@ class UpdateStage:
         """``algorithm.whiten_advantages`` then ``algorithm.advantage_clip`` of ``adv`` ``[B, T]``."""
         a, mask = self.cfg.algorithm, batch[RESPONSE_MASK]
         if a.whiten_advantages:
-            sel = loss_mask(batch)
+            sel = batch.loss_mask
             if int(sel.sum()) >= 2:  # the unbiased variance needs two tokens
                 adv = masked_whiten(adv, sel) * mask
         if a.advantage_clip:
