@@ -163,6 +163,39 @@ def test_update_weights_served_logprobs_equal_trainers(engine, base_model, tok, 
     engine.update_weights(base_model.named_parameters(), version=0)
 
 
+def test_buckets_and_delta_reach_both_servers_over_http_without_a_file(engine, base_model, tok, prompts):
+    """rollout.weight_sync=delta over the same two servers: vLLM's RL routes and rollkit's gloo
+    backend (every server rollkit starts has it), no safetensors file; the served log-probs are
+    the trainer's, a sparse change travels as patches, and each server reports the version and
+    the digests of what it loaded (checked inside update_weights)."""
+    urls = [c.url for c in engine.clients]
+    model_path = engine.pool.restart_kw["model_path"]
+    sync = ServerRolloutEngine(urls, tokenizer=tok, model_path=model_path, weight_sync="delta", weight_bucket_mb=0.02)
+    files = sorted(engine.weights_dir.glob("*.safetensors"))
+    try:
+        new = tiny_qwen2(tok, seed=3, **MODEL_KW)
+        sync.update_weights(new.named_parameters(), version=7)
+        assert sync.metrics()["sync/delta_frac"] == 1.0 and sync.metrics()["sync/buckets"] > 3
+        gens = sync.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0))
+        assert max_err(new, gens, tok, temperature=1.0) < ATOL
+        with torch.no_grad():
+            for p in new.parameters():
+                p.view(-1)[:: max(1, p.numel() // 8)] += 0.05
+        sync.update_weights(new.named_parameters(), version=8)
+        m = sync.metrics()
+        assert m["sync/delta_frac"] < 0.1 and m["sync/bytes"] > 0, m
+        gens = sync.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0))
+        assert max_err(new, gens, tok, temperature=1.0) < ATOL and all(g.policy_version == 8 for g in gens)
+        for c in engine.clients:
+            assert c.get("/weight_info")["weight_version"] == "8"
+            (report,) = c.post("/collective_rpc", {"method": "rollkit_weight_report"})["results"]
+            assert report["version"] == 8 and set(report["digests"]) == set(sync._shapes)  # every tensor
+        assert sorted(engine.weights_dir.glob("*.safetensors")) == files  # nothing went through a file
+    finally:
+        sync.shutdown()
+        engine.update_weights(base_model.named_parameters(), version=0)
+
+
 def _status(url, method, path, key=None, body=None):
     """The HTTP status of one call (the body is not read as JSON: /metrics is text)."""
     data = None if body is None else json.dumps(body).encode()

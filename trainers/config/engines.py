@@ -73,6 +73,22 @@ class RolloutEngineConfig:
     prompts_per_request: int = setting(
         1, ge=1
     )  # Ray: prompts per request sent to the least-loaded rollout actor
+    # How the weights reach the rollout after each step (docs/weight_sync.md): "reload" (the whole
+    # model at once: vLLM's reload_weights, a safetensors file each server re-reads), "buckets"
+    # (streamed in weight_bucket_mb buckets over a gloo group behind vLLM's weight-transfer API:
+    # no whole-model copy, no shared filesystem), "delta" (buckets of sparse patches of the
+    # elements that changed, exact; both ends keep a copy in the rollout dtype)
+    weight_sync: Literal["reload", "buckets", "delta"] = "reload"
+    weight_bucket_mb: float = setting(64.0, gt=0)
+    # buckets / delta: after each sync the engines' version and digests (sha256 of what each
+    # worker loaded) must equal the trainer's, else the run stops naming the engine and tensor
+    weight_check: bool = True
+    # the address vLLM servers reach the trainer's gloo rendezvous at ("": 127.0.0.1 for local
+    # servers, else this machine's address on the route to the first server)
+    weight_sync_host: str = ""
+    # after each sync, the largest |log-prob gap| of a few probe tokens between the rollout and the
+    # trainer before the run stops (0: off); it catches weights that arrived but are not served
+    weight_probe_tol: float = setting(0.0, ge=0)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
 from trainers.engines.options import rollout_dtype
+from trainers.engines.weight_sync import MODES, SyncStats
 from trainers.vision import collate, image_inputs, to_device, vision_token_ids
 from trainers.vision import position_ids as vision_position_ids
 
@@ -156,7 +158,10 @@ class HFRolloutEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         max_batch_size: int | None = None,
+        weight_sync: str = "reload",
     ) -> None:
+        if weight_sync not in MODES:
+            raise ValueError(f"rollout.weight_sync must be one of {MODES}, got {weight_sync!r}")
         transformers = require("transformers")
         if isinstance(model_path_or_module, (str, os.PathLike)):
             model = transformers.AutoModelForCausalLM.from_pretrained(model_path_or_module, dtype=dtype)
@@ -183,6 +188,8 @@ class HFRolloutEngine:
         self._sleep_level = 0
         self._buffers: dict[str, Tensor] = {}
         self._needs_weights = False
+        self.weight_sync = weight_sync
+        self.last_sync: SyncStats | None = None
 
     # ------------------------------------------------------------------ generation
 
@@ -220,7 +227,8 @@ class HFRolloutEngine:
         if self._sleep_level:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self._needs_weights:
-            raise RuntimeError("weights were discarded by sleep(level=2): call update_weights() first")
+            why = getattr(self, "_stale_why", "discarded by sleep(level=2)")
+            raise RuntimeError(f"weights were {why}: call update_weights() first")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         rows = [(i, _ids(p)) for i, p in enumerate(prompts) for _ in range(params.n)]
@@ -338,6 +346,9 @@ class HFRolloutEngine:
             raise RuntimeError(
                 "the weights were discarded by sleep(level=2): call wake() before update_weights()"
             )
+        if self.weight_sync != "reload":
+            self._stream(named_tensors, version)
+            return
         targets = self.model.state_dict(keep_vars=True)
         params = {id(p): n for n, p in self.model.named_parameters()}
         pending: list[tuple[Tensor, Tensor]] = []
@@ -362,6 +373,46 @@ class HFRolloutEngine:
                 dst.copy_(t.detach().to(device=dst.device, dtype=dst.dtype))
         self._needs_weights = False
         self.policy_version = int(version)
+
+    def _stream(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """``weight_sync`` buckets / delta: each tensor is checked and copied as it arrives (no
+        list of the whole stream, so a gathering export holds one tensor at a time). A stream that
+        fails half-way (an unknown name, a wrong shape, a parameter left out) leaves the engine
+        refusing to generate until the next update. Nothing travels between processes here, so
+        delta is buckets."""
+        t0 = time.perf_counter()
+        targets = self.model.state_dict(keep_vars=True)
+        params = {id(p): n for n, p in self.model.named_parameters()}
+        covered: set[int] = set()
+        stats = SyncStats()
+        self._needs_weights, self._stale_why = True, "left half-loaded by a failed update"
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if name not in targets:
+                    raise KeyError(f"update_weights: unknown parameter {name!r}")
+                dst = targets[name]
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(dst.shape)}"
+                    )
+                if id(dst) not in covered:
+                    dst.copy_(t.detach().to(device=dst.device, dtype=dst.dtype))
+                    covered.add(id(dst))
+                    stats.tensors += 1
+                    stats.dense_bytes += dst.numel() * dst.element_size()
+        missing = [n for i, n in params.items() if i not in covered]
+        if missing:
+            raise KeyError(
+                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )
+        stats.bytes, stats.seconds = stats.dense_bytes, time.perf_counter() - t0
+        self.last_sync = stats
+        self._needs_weights, self._stale_why = False, "discarded by sleep(level=2)"
+        self.policy_version = int(version)
+
+    def metrics(self) -> dict[str, float]:
+        """``sync/*`` of the latest ``weight_sync`` buckets / delta update (``{}`` before one)."""
+        return {} if self.last_sync is None else self.last_sync.metrics()
 
     # ------------------------------------------------------------------ memory
 
@@ -420,5 +471,6 @@ def build_hf_rollout(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> HF
             f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the hf engine runs on one device"
         )
     return HFRolloutEngine(
-        model, tokenizer, device=device, dtype=rollout_dtype(cfg, device), max_batch_size=r.max_batch_size
+        model, tokenizer, device=device, dtype=rollout_dtype(cfg, device), max_batch_size=r.max_batch_size,
+        weight_sync=r.weight_sync,
     )

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +37,7 @@ from trainers.engines.requests import Request, _check_new
 from trainers.engines.server_pool import ServerPool
 from trainers.engines.vllm_rollout import _check_cpu_head_size, _checkpoint_shapes
 from trainers.engines.vllm_server import LocalServer, ServerClient, ServerError, launch_servers, stop_servers
+from trainers.engines.weight_sync import MODES, SyncStats, Target, WeightPusher
 from trainers.models import save_model
 from trainers.vision import image_inputs
 
@@ -117,6 +118,79 @@ def weights_to_send(
     return out
 
 
+_CASTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checked_weights(
+    named_tensors: Iterable[tuple[str, Tensor]],
+    shapes: dict[str, tuple[int, ...]] | None,
+    tied: bool,
+) -> Iterator[tuple[str, Tensor]]:
+    """:func:`weights_to_send`'s checks on a stream, as each tensor passes (a tied ``lm_head.weight``
+    dropped); at its end a checkpoint tensor left out is a ``KeyError``."""
+    seen: set[str] = set()
+    for name, t in named_tensors:
+        if name == "lm_head.weight" and tied:
+            continue
+        if shapes is not None:
+            if name not in shapes:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}"
+                )
+        seen.add(name)
+        yield name, t
+    if shapes is not None and (missing := sorted(set(shapes) - seen)):
+        raise KeyError(f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def sync_host(url: str) -> str:
+    """The address a server at ``url`` reaches this machine at: 127.0.0.1 for a server on this
+    machine, else this machine's address on the route to it."""
+    import socket
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the route
+        return str(s.getsockname()[0])
+
+
+class HTTPTarget(Target):
+    """A ``vllm serve`` server as a weight-sync target: vLLM's RL routes (``/init_weight_transfer_engine``,
+    ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) and rollkit's worker
+    extension for the report (``/collective_rpc``); every call with a deadline."""
+
+    def __init__(self, client: ServerClient, name: str, *, timeout_s: float) -> None:
+        self.client, self.name, self.timeout_s = client, name, float(timeout_s)
+        answer = client.get("/get_world_size?include_dp=false", timeout=timeout_s)
+        self.workers = int(answer.get("world_size", 1)) if isinstance(answer, dict) else 1
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self.client.post("/init_weight_transfer_engine", {"init_info": init_info}, timeout=self.timeout_s)
+
+    def start(self) -> None:
+        self.client.post("/start_weight_update", timeout=self.timeout_s)
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self.client.post("/update_weights", {"update_info": update_info}, timeout=self.timeout_s)
+
+    def finish(self, version: int) -> None:
+        self.client.post("/finish_weight_update", {"weight_version": str(int(version))}, timeout=self.timeout_s)
+        if version >= 0:
+            self.client.post("/reset_prefix_cache", timeout=self.timeout_s)
+
+    def reports(self) -> list[dict[str, Any]]:
+        answer = self.client.post("/collective_rpc", {"method": "rollkit_weight_report"}, timeout=self.timeout_s)
+        return list(answer.get("results", [])) if isinstance(answer, dict) else []
+
+    def forget(self) -> None:
+        self.client.post("/collective_rpc", {"method": "rollkit_weight_forget"}, timeout=self.timeout_s)
+
+
 def reload_weights_on(client: ServerClient, weights_dir: Path, version: int, timeout: float) -> None:
     """One server reloads the safetensors file in ``weights_dir`` in place (rollkit's worker
     extension, else vLLM's ``reload_weights``), drops its prefix cache, takes the version."""
@@ -139,6 +213,76 @@ def _check_text(ids: Sequence[int]) -> None:
             "rollout.engine=server: a prompt has images, and vLLM's token-in completions API takes "
             "none; use rollout.engine=vllm (in process) or hf for a vision-language model"
         )
+
+
+class ServerWeightSync:
+    """``rollout.weight_sync`` buckets / delta for a server engine: a
+    :class:`~trainers.engines.weight_sync.WeightPusher` over the live servers (rebuilt, and so
+    dense, whenever they change), the drops of servers that fail a sync, and the replacements
+    that wait for the next sync to get the current weights."""
+
+    def __init__(self, mode: str, bucket_mb: float, check: bool, host: str, dtype: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"rollout.weight_sync must be one of {MODES}, got {mode!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"rollout.weight_bucket_mb must be > 0, got {bucket_mb}")
+        self.mode, self.check, self.host = mode, bool(check), host
+        self.bucket_bytes, self.dtype = int(bucket_mb * 2**20), _CASTS.get(dtype, torch.float32)
+        self.pusher: WeightPusher | None = None
+        self.key: tuple[int, ...] = ()
+        self.awaiting: list[tuple[ServerClient, threading.Event]] = []
+        self.last: SyncStats | None = None
+        self._lock = threading.Lock()
+
+    def wait_for_weights(self, client: ServerClient, version: int, timeout_s: float) -> None:
+        """A replacement (the pool's ``on_replace``): nothing to wait for at version 0 (it started
+        from the checkpoint the others serve), else until the next sync sent it everything."""
+        if version == 0:
+            return
+        done = threading.Event()
+        with self._lock:
+            self.awaiting.append((client, done))
+        if not done.wait(timeout=timeout_s):
+            raise ServerError("the replacement got no weights: no sync came while it waited")
+
+    def push(self, engine: ServerRolloutEngine, named: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Stream the weights to every live server (and waiting replacement); a server that fails
+        is dropped, as with reload."""
+        timeout = engine._reload_timeout
+        with self._lock:
+            awaiting, self.awaiting = self.awaiting, []
+        live = sorted(engine.pool.live)
+        targets: list[Target] = [HTTPTarget(engine.clients[i], f"server {i} ({engine.clients[i].url})", timeout_s=timeout)
+                                 for i in live]
+        targets += [HTTPTarget(c, f"replacement ({c.url})", timeout_s=timeout) for c, _ in awaiting]
+        key = tuple(id(engine.clients[i]) for i in live) + tuple(id(c) for c, _ in awaiting)
+        if self.pusher is None or key != self.key:
+            self.close()
+            self.pusher = WeightPusher(
+                targets, mode=self.mode, bucket_bytes=self.bucket_bytes, dtype=self.dtype, check=self.check,
+                timeout_s=timeout, host=self.host or sync_host(targets[0].client.url), strict=False,
+            )  # fmt: skip
+            self.key = key
+        try:
+            self.last = self.pusher.push(checked_weights(named, engine._shapes, engine.tie_word_embeddings), version)
+        except BaseException:
+            self.close()  # the next sync opens new groups and sends everything
+            raise
+        finally:
+            for _, done in awaiting:
+                done.set()
+        for name, why in self.last.failed.items():
+            for i in live:
+                if name.startswith(f"server {i} "):
+                    engine.pool.drop(i, f"weight sync: {why}")
+
+    def metrics(self) -> dict[str, float]:
+        return {} if self.last is None else self.last.metrics()
+
+    def close(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
 
 
 class ServerRolloutEngine:
@@ -189,7 +333,12 @@ class ServerRolloutEngine:
         restart: bool = True,
         restart_kw: dict[str, Any] | None = None,
         dtype: str = "float32",
+        weight_sync: str = "reload",
+        weight_bucket_mb: float = 64.0,
+        weight_check: bool = True,
+        weight_sync_host: str = "",
     ) -> None:
+        sync = ServerWeightSync(weight_sync, weight_bucket_mb, weight_check, weight_sync_host, dtype)
         if isinstance(urls, str) or not urls:
             raise ValueError(f"urls: expected a non-empty list of server addresses, got {urls!r}")
         if not request_timeout_s > 0:
@@ -222,6 +371,8 @@ class ServerRolloutEngine:
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="rollkit-server")
         self._metrics = _Metrics()
         self.sleep_frees_memory = False
+        self.sync = sync
+        self.weight_sync = weight_sync
 
     # the pool's state under the names the engine has always had
     clients = property(lambda self: self.pool.clients)
@@ -439,8 +590,14 @@ class ServerRolloutEngine:
             tries += 1
 
     def _load_current_weights(self, client: ServerClient) -> None:
-        """A replacement server takes the weights the others have (the pool's ``on_replace``)."""
-        if self._weights_file is not None:
+        """A replacement server takes the weights the others have (the pool's ``on_replace``).
+
+        ``weight_sync`` buckets / delta keep no file to reload: a replacement of a server that
+        served trained weights waits (out of the rotation) for the next sync, which sends it
+        everything."""
+        if self.weight_sync != "reload":
+            self.sync.wait_for_weights(client, self.policy_version, self._reload_timeout + 600.0)
+        elif self._weights_file is not None:
             reload_weights_on(client, self.weights_dir, self.policy_version, self._reload_timeout)
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Request]:
@@ -516,6 +673,13 @@ class ServerRolloutEngine:
         """
         if self._jobs:
             raise RuntimeError(f"update_weights: {len(self._jobs)} requests are running; abort them first")
+        if self.weight_sync != "reload":
+            t0 = time.perf_counter()
+            self.sync.push(self, named_tensors, version)
+            self.policy_version = int(version)
+            self._metrics.weight_updates += 1
+            self._metrics.weight_update_s += time.perf_counter() - t0
+            return
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
@@ -561,6 +725,7 @@ class ServerRolloutEngine:
             "server/errors": float(m.errors),
             "server/weight_updates": float(m.weight_updates),
             "server/weight_update_s": m.weight_update_s / max(m.weight_updates, 1),
+            **self.sync.metrics(),
         }
 
     def requests_per_server(self) -> dict[str, int]:
@@ -580,6 +745,7 @@ class ServerRolloutEngine:
         if self._jobs:
             self.abort()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.sync.close()
         self.pool.close()
         if self._own_weights_dir:
             import shutil
@@ -620,6 +786,10 @@ def build_server_rollout(cfg: Any, model: Any, tokenizer: Any, *, device: str) -
         # vLLM's CPU sampler cannot rewind a seeded generator over a split prefill (see
         # trainers.engines.requests.VLLMRequestEngine): CPU servers sample unseeded
         seeded=torch.cuda.is_available(),
+        weight_sync=r.weight_sync,
+        weight_bucket_mb=r.weight_bucket_mb,
+        weight_check=r.weight_check,
+        weight_sync_host=r.weight_sync_host,
     )
     addresses = server_addresses(r.servers)
     if addresses:

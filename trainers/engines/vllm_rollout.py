@@ -15,6 +15,7 @@ the engine is built. Seeds, weights, tied embeddings on CPU and sleep: docs/engi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -32,6 +33,14 @@ from trainers.engines.base import Generation, SamplingParams, prompt_seed
 from trainers.engines.guard import child_pids, watch
 from trainers.engines.lora import ADAPTER_NAME, write_adapter
 from trainers.engines.options import dtype_name, rollout_dtype, rollout_lora
+from trainers.engines.weight_sync import (
+    BACKEND,
+    MODES,
+    LLMTarget,
+    SyncStats,
+    WeightPusher,
+    register,
+)
 from trainers.models import save_model
 from trainers.vision import image_inputs, vision_token_ids
 
@@ -70,6 +79,11 @@ def _check_cpu_head_size(config: dict[str, Any], model_path: Any) -> None:
             f"model_path {str(model_path)!r}: head_dim {head_dim} is not supported by vLLM's CPU "
             f"attention (supported: {supported}); e.g. tiny_qwen2(..., hidden_size=64, heads=2)"
         )
+
+
+#: rollkit's vLLM worker extension (``--worker-extension-cls`` of the servers rollkit starts, and
+#: ``worker_extension_cls`` of an engine with ``weight_sync`` other than ``reload``)
+WORKER_EXTENSION = "trainers.engines.vllm_server.RollkitWorkerExtension"
 
 
 def _refresh_tied_lm_head(worker: Any) -> bool:
@@ -154,6 +168,20 @@ def _engine_kwargs(
     return kwargs
 
 
+def _weight_sync_kwargs(weight_sync: str, weight_bucket_mb: float) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for ``weight_sync``: buckets / delta use rollkit's gloo
+    backend behind vLLM's weight-transfer API (:mod:`trainers.engines.weight_sync`), registered
+    here and, in worker processes, by rollkit's worker extension."""
+    if weight_sync not in MODES:
+        raise ValueError(f"rollout.weight_sync must be one of {MODES}, got {weight_sync!r}")
+    if not weight_bucket_mb > 0:
+        raise ValueError(f"rollout.weight_bucket_mb must be > 0, got {weight_bucket_mb}")
+    if weight_sync == "reload":
+        return {}
+    register()
+    return {"weight_transfer_config": {"backend": BACKEND}, "worker_extension_cls": WORKER_EXTENSION}
+
+
 #: vLLM's allowed ``max_lora_rank`` values (``vllm.config.lora.MaxLoRARanks``)
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -234,6 +262,10 @@ class VLLMRolloutEngine:
         tensor_parallel_size: int = 1,
         enable_sleep_mode: bool | None = None,
         lora: dict[str, Any] | None = None,
+        weight_sync: str = "reload",
+        weight_bucket_mb: float = 64.0,
+        weight_check: bool = True,
+        weight_timeout_s: float = 300.0,
         **engine_kwargs: Any,
     ) -> None:
         dtype = _check_args(dtype, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, engine_kwargs)
@@ -258,10 +290,13 @@ class VLLMRolloutEngine:
         )
         if lora is not None:
             kwargs.update(_lora_kwargs(lora))
+        kwargs.update(_weight_sync_kwargs(weight_sync, weight_bucket_mb))
         kwargs.update(engine_kwargs)
-        self.lora = lora
-        self._lora_request: Any = None
-        self._adapters = 0
+        self.weight_sync, self.weight_check = weight_sync, bool(weight_check)
+        self._weight_sync_args = (int(weight_bucket_mb * 2**20), float(weight_timeout_s), int(tensor_parallel_size))
+        self._pusher: WeightPusher | None = None
+        self.last_sync: SyncStats | None = None
+        self.lora, self._lora_request, self._adapters = lora, None, 0
         self.dtype = _DTYPES[dtype]
         from vllm import envs
 
@@ -327,7 +362,8 @@ class VLLMRolloutEngine:
         if self._sleep_level:
             raise RuntimeError("the engine is asleep: call wake() first")
         if self._needs_weights:
-            raise RuntimeError("weights were discarded by sleep(level=2): call update_weights() first")
+            why = getattr(self, "_stale_why", "discarded by sleep(level=2)")
+            raise RuntimeError(f"weights were {why}: call update_weights() first")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
 
@@ -519,10 +555,15 @@ class VLLMRolloutEngine:
             raise RuntimeError(
                 f"the engine is asleep (level {self._sleep_level}): call wake() before update_weights()"
             )
-        named = list(named_tensors)
-        if named and ADAPTER_NAME.fullmatch(named[0][0]):
-            self._update_adapter(named, version)
+        stream = iter(named_tensors)
+        first = next(stream, None)
+        if first is not None and ADAPTER_NAME.fullmatch(first[0]):
+            self._update_adapter([first, *stream], version)
             return
+        if self.weight_sync != "reload":
+            self._push(itertools.chain([] if first is None else [first], stream), version)
+            return
+        named = [] if first is None else [first, *stream]
         weights: list[tuple[str, Tensor]] = []
         seen: set[str] = set()
         for name, t in named:
@@ -552,6 +593,9 @@ class VLLMRolloutEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._transfer_dir})
         if self.tie_word_embeddings and self.device_type == "cpu":
             self.llm.collective_rpc(_refresh_tied_lm_head)
+        self._after_full_update(version)
+
+    def _after_full_update(self, version: int) -> None:
         if self._lora_request is not None:  # full weights replace base + adapter
             shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
@@ -563,6 +607,53 @@ class VLLMRolloutEngine:
             self.llm.llm_engine.reset_encoder_cache()
         self._needs_weights = False
         self.policy_version = int(version)
+
+    def _checked(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        """The stream, each name and shape checked against the checkpoint as it passes (a tied
+        ``lm_head.weight`` dropped); at its end, a checkpoint tensor left out is a ``KeyError``."""
+        seen: set[str] = set()
+        for name, t in named:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in self._shapes:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            if tuple(t.shape) != self._shapes[name]:
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(self._shapes[name])}"
+                )
+            seen.add(name)
+            yield name, t
+        missing = sorted(set(self._shapes) - seen)
+        if missing:
+            raise KeyError(
+                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )
+
+    def _push(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """``weight_sync`` buckets / delta: stream through vLLM's weight-transfer API
+        (:class:`~trainers.engines.weight_sync.WeightPusher`). A stream that fails half-way (a bad
+        name, a check that fails) leaves the engine refusing to generate until the next update."""
+        if self._pusher is None:
+            bucket_bytes, timeout_s, workers = self._weight_sync_args
+            self._pusher = WeightPusher(
+                [LLMTarget(self.llm, name=f"vllm engine {self.model_path.name!r}", workers=workers)],
+                mode=self.weight_sync,
+                bucket_bytes=bucket_bytes,
+                dtype=self.dtype,
+                check=self.weight_check,
+                timeout_s=timeout_s,
+            )
+        try:
+            self.last_sync = self._pusher.push(self._checked(named), version)
+        except BaseException:
+            self._needs_weights, self._stale_why = True, "left half-loaded by a failed update"
+            raise
+        self._after_full_update(version)
+        self._stale_why = "discarded by sleep(level=2)"
+
+    def metrics(self) -> dict[str, float]:
+        """``sync/*`` of the latest weight sync through ``weight_sync`` buckets / delta (``{}`` before one)."""
+        return {} if self.last_sync is None else self.last_sync.metrics()
 
     # ------------------------------------------------------------------ memory
 
@@ -604,6 +695,9 @@ class VLLMRolloutEngine:
 
     def shutdown(self) -> None:
         """Release the vLLM engine (its worker processes, if any)."""
+        if self._pusher is not None:
+            self._pusher.close()
+            self._pusher = None
         if self._transfer_dir is not None:
             shutil.rmtree(self._transfer_dir, ignore_errors=True)
             self._transfer_dir = None
@@ -630,6 +724,9 @@ def build_vllm_rollout(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> 
         seed=cfg.seed,
         lora=rollout_lora(cfg),
         tensor_parallel_size=r.tensor_parallel_size,
+        weight_sync=r.weight_sync,
+        weight_bucket_mb=r.weight_bucket_mb,
+        weight_check=r.weight_check,
     )
     eng.model_dir = tmp  # removed with the engine
     return eng

@@ -41,7 +41,9 @@ from typing import Any
 
 from trainers.engines.guard import guarded
 from trainers.engines.server_auth import API_KEY_ENV, check_api_key
-from trainers.engines.vllm_rollout import _refresh_tied_lm_head
+from trainers.engines.vllm_rollout import WORKER_EXTENSION, _refresh_tied_lm_head
+from trainers.engines.weight_sync import BACKEND as WEIGHT_TRANSFER_BACKEND
+from trainers.engines.weight_sync import register, worker_forget, worker_report
 
 __all__ = [
     "LocalServer",
@@ -55,8 +57,6 @@ __all__ = [
     "stop_servers",
 ]
 
-#: the worker extension every rollkit-started server loads (``--worker-extension-cls``)
-WORKER_EXTENSION = "trainers.engines.vllm_server.RollkitWorkerExtension"
 #: the ASGI middleware every rollkit-started server loads (``--middleware``): the key on every route
 AUTH_MIDDLEWARE = "trainers.engines.server_auth.BearerAuthMiddleware"
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -88,6 +88,26 @@ class RollkitWorkerExtension:
         if current_platform.is_cpu():
             return _refresh_tied_lm_head(self)
         return False
+
+    def rollkit_weight_report(self) -> dict[str, Any]:
+        """What rollkit's weight-transfer backend loaded last: ``version``, ``digests`` (sha256 per
+        tensor), ``kept`` (tensors held for delta updates)."""
+        return worker_report(self)
+
+    def rollkit_weight_forget(self) -> bool:
+        """Drop the delta copy (the next delta patch is refused; the trainer then sends dense)."""
+        return worker_forget(self)
+
+
+def _register_in_vllm() -> None:
+    """Where vLLM is already imported (a vLLM worker process importing this extension, or a trainer
+    running vLLM in process), register rollkit's weight-transfer backend with vLLM's factory
+    before the worker builds its engine (``rollout.weight_sync``: trainers.engines.weight_sync)."""
+    if "vllm" in sys.modules:
+        register()
+
+
+_register_in_vllm()
 
 
 # --------------------------------------------------------------------------- HTTP client
@@ -254,6 +274,8 @@ def server_command(
         "--dtype", dtype, "--seed", str(int(seed)), "--served-model-name", served_model_name,
         "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
         "--worker-extension-cls", WORKER_EXTENSION, "--middleware", AUTH_MIDDLEWARE,
+        # rollout.weight_sync buckets / delta: rollkit's gloo backend (its worker extension registers it)
+        "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
     ]  # fmt: skip
     if enforce_eager:
         cmd.append("--enforce-eager")

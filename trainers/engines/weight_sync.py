@@ -1,0 +1,803 @@
+"""Weights from trainer to rollout: buckets, a transport behind vLLM's weight-transfer API, delta
+patches, and the check after every sync.
+
+``rollout.weight_sync`` picks the path a rollout engine's ``update_weights`` takes:
+
+- ``reload`` (today's path): the engine gets the whole model at once (the in-process vLLM
+  engine through ``reload_weights``, a server or a vLLM engine with worker processes as one
+  safetensors file it re-reads).
+- ``buckets``: the trainer's ``(name, tensor)`` stream is cut into buckets of
+  ``rollout.weight_bucket_mb`` (:func:`iter_buckets`), each cast to the rollout's dtype, packed
+  into one flat byte buffer (:func:`pack_bucket`) and broadcast over a torch.distributed **gloo**
+  group to every vLLM worker, which loads it through vLLM's weight-transfer API
+  (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, the checkpoint-format
+  layer-wise reload vLLM's own ``nccl`` backend uses). The backend is rollkit's own,
+  :class:`GlooWeightTransferEngine`, registered with vLLM's ``WeightTransferEngineFactory`` under
+  :data:`BACKEND`; it runs on CPU, so the protocol runs in CI. No process holds the whole model
+  beyond what it already held: the trainer one bucket at a time (plus whatever its export
+  gathers), the worker one bucket plus vLLM's own staging of a layer.
+- ``delta``: as ``buckets``, but a tensor that was sent before travels as a sparse patch of the
+  elements whose bits changed (:func:`encode`, flat ``int32``/``int64`` indices + values, in the
+  rollout's dtype), a dense tensor where the patch would not be smaller. Exact: the receiver
+  applies the patch to its copy of what it last received (:func:`apply_patch`) and loads the
+  whole tensor, so the engine ends up bit-identical to a full update. Both ends keep one copy of
+  the model in the rollout's dtype for this (the CPU backend packs its weights for oneDNN, so a
+  patch cannot be written into vLLM's parameters in place). A patch names the version it applies
+  to; a receiver at another version refuses it by name, and the sender then sends everything
+  dense.
+
+**The check** (``rollout.weight_check``, on by default): every receiver digests what it loaded
+(sha256 per tensor, :func:`digest`, combined over names) and reports it with the version; the
+sender compares with its own digest of what it sent, and a mismatch fails the sync with a
+one-line error naming the engine, the version and the first tensor that differs
+(:class:`WeightSyncError`). A probe (a few fixed tokens' log-probs from the rollout against the
+trainer's, :func:`probe_gap`) catches what a digest of the sent bytes cannot: weights that
+arrived but are not what the model serves.
+
+Metrics of a sync (:class:`SyncStats`): ``sync/seconds``, ``sync/bytes`` (on the wire),
+``sync/dense_bytes`` (what a full update would move), ``sync/delta_frac`` (their ratio),
+``sync/probe_gap``.
+
+>>> list(len(b) for b in iter_buckets([("a", torch.ones(4)), ("b", torch.ones(4))], 16))
+[1, 1]
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BACKEND",
+    "MODES",
+    "GlooGroup",
+    "Patch",
+    "SyncStats",
+    "WeightPusher",
+    "WeightSyncError",
+    "apply_patch",
+    "digest",
+    "encode",
+    "iter_buckets",
+    "pack_bucket",
+    "probe_gap",
+    "register",
+    "unpack_bucket",
+]
+
+#: the name rollkit's transport is registered under in vLLM's ``WeightTransferEngineFactory``
+BACKEND = "rollkit_gloo"
+#: the values of ``rollout.weight_sync``
+MODES = ("reload", "buckets", "delta")
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16,
+                                                       torch.float64, torch.int64, torch.int32,
+                                                       torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+class WeightSyncError(RuntimeError):
+    """A sync that did not leave the rollout with the trainer's weights (digest, version or probe)."""
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def iter_buckets(
+    named: Iterable[tuple[str, Tensor]],
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Cut a ``(name, tensor)`` stream into lists of at most ``bucket_bytes`` (a tensor larger than
+    a bucket is a bucket of its own), each tensor detached, cast to ``dtype`` (floating tensors;
+    ``None``: as given), on CPU and contiguous.
+
+    The stream is consumed lazily: one bucket is materialised at a time, so a generator that
+    gathers each tensor (ZeRO-3, FSDP2) holds one bucket, not a model.
+
+    >>> [[n for n, _ in b] for b in iter_buckets([("a", torch.ones(2)), ("b", torch.ones(2)), ("c", torch.ones(8))], 16)]
+    [['a', 'b'], ['c']]
+    """
+    if not bucket_bytes > 0:
+        raise ValueError(f"rollout.weight_bucket_mb must be > 0, got {bucket_bytes} bytes")
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, t in named:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.to("cpu").contiguous()
+        nb = _nbytes(t)
+        if bucket and size + nb > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nb
+    if bucket:
+        yield bucket
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def _bytes(t: Tensor) -> Any:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+
+
+def digest(t: Tensor) -> str:
+    """sha256 of a tensor's bytes (its dtype's bit pattern, row-major): equal digests, equal bits.
+
+    >>> digest(torch.zeros(2)) == digest(torch.zeros(2)), digest(torch.zeros(2)) == digest(torch.ones(2))
+    (True, False)
+    """
+    return hashlib.sha256(_bytes(t.to("cpu"))).hexdigest()
+
+
+def combine(digests: dict[str, str]) -> str:
+    """One digest of a ``name -> digest`` map (order-free: sorted by name)."""
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(name.encode())
+        h.update(digests[name].encode())
+    return h.hexdigest()
+
+
+def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None:
+    """The first name (sorted) whose digest differs or that one side lacks; ``None``: equal."""
+    for name in sorted(mine.keys() | theirs.keys()):
+        if mine.get(name) != theirs.get(name):
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------- delta patches
+
+
+@dataclass
+class Patch:
+    """One tensor on the wire: dense (``indices is None``: ``values`` is the flattened tensor) or a
+    sparse patch (``values[i]`` replaces flat element ``indices[i]`` of the receiver's copy at
+    version ``base``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    values: Tensor
+    indices: Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.values) + (0 if self.indices is None else _nbytes(self.indices))
+
+
+def _bits(t: Tensor) -> Tensor:
+    """The tensor's bit pattern as an integer view (so ``-0.0 != 0.0`` and NaN == NaN of the same bits)."""
+    flat = t.reshape(-1)
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return flat.view(view) if t.dtype != torch.bool else flat.view(torch.uint8)
+
+
+def encode(name: str, new: Tensor, old: Tensor | None) -> Patch:
+    """The patch taking ``old`` to ``new`` (same shape and dtype): the flat indices whose bits
+    differ and their new values; dense when there is no ``old`` or the patch (indices + values)
+    would not be smaller than the tensor. ``int32`` indices below 2**31 elements, else ``int64``.
+
+    >>> p = encode("w", torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 0.0, 3.0, 4.0]))
+    >>> p.indices.tolist(), p.values.tolist()
+    ([1], [2.0])
+    """
+    shape = tuple(new.shape)
+    flat = new.reshape(-1)
+    if old is None or tuple(old.shape) != shape or old.dtype != new.dtype:
+        return Patch(name, shape, new.dtype, flat)
+    idx_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
+    changed = torch.ne(_bits(new), _bits(old))
+    nnz = int(changed.sum())
+    per = new.element_size() + (4 if idx_dtype == torch.int32 else 8)
+    if nnz * per >= _nbytes(new):
+        return Patch(name, shape, new.dtype, flat)
+    idx = changed.nonzero().reshape(-1)
+    return Patch(name, shape, new.dtype, flat[idx], idx.to(idx_dtype))
+
+
+def apply_patch(patch: Patch, old: Tensor | None) -> Tensor:
+    """The full tensor a patch describes: its values (dense), or ``old`` with the patch's elements
+    replaced (``old`` is updated in place and returned)."""
+    if patch.indices is None:
+        return patch.values.reshape(patch.shape)
+    if old is None or tuple(old.shape) != patch.shape or old.dtype != patch.dtype:
+        raise WeightSyncError(
+            f"weight sync: a patch for {patch.name!r} arrived, but the receiver holds no copy of it "
+            f"with shape {list(patch.shape)} and dtype {patch.dtype}"
+        )
+    old.reshape(-1)[patch.indices.long()] = patch.values
+    return old
+
+
+# --------------------------------------------------------------------------- the wire format
+
+
+def pack_bucket(patches: Sequence[Patch]) -> tuple[dict[str, Any], Tensor]:
+    """A bucket as ``(meta, flat)``: ``flat`` the bytes of every patch (indices then values) in
+    order, ``meta`` what the receiver needs to cut them apart (names, dtypes, shapes, ``nnz``:
+    -1 for a dense tensor)."""
+    parts: list[Tensor] = []
+    meta: dict[str, Any] = {"names": [], "dtype_names": [], "shapes": [], "nnz": []}
+    for p in patches:
+        meta["names"].append(p.name)
+        meta["dtype_names"].append(str(p.dtype).removeprefix("torch."))
+        meta["shapes"].append(list(p.shape))
+        if p.indices is None:
+            meta["nnz"].append(-1)
+        else:
+            meta["nnz"].append(int(p.indices.numel()))
+            parts.append(p.indices.to(torch.int64 if p.indices.dtype == torch.int64 else torch.int32)
+                         .reshape(-1).view(torch.uint8))
+        parts.append(p.values.reshape(-1).contiguous().view(torch.uint8))
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    meta["nbytes"] = int(flat.numel())
+    return meta, flat
+
+
+def unpack_bucket(meta: dict[str, Any], flat: Tensor) -> list[Patch]:
+    """The inverse of :func:`pack_bucket` (views into ``flat``)."""
+    out: list[Patch] = []
+    pos = 0
+    for name, dname, shape, nnz in zip(meta["names"], meta["dtype_names"], meta["shapes"], meta["nnz"], strict=True):
+        dtype = _DTYPES[dname]
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        esize = torch.empty(0, dtype=dtype).element_size()
+        idx = None
+        if nnz >= 0:
+            idx_dtype = torch.int32 if numel < 2**31 else torch.int64
+            ib = nnz * (4 if idx_dtype == torch.int32 else 8)
+            idx = flat[pos : pos + ib].view(idx_dtype)
+            pos += ib
+            count = nnz
+        else:
+            count = numel
+        vals = flat[pos : pos + count * esize].view(dtype)
+        pos += count * esize
+        out.append(Patch(name, tuple(int(s) for s in shape), dtype, vals, idx))
+    if pos != flat.numel():
+        raise WeightSyncError(f"weight sync: a bucket of {flat.numel()} bytes holds {pos} bytes of tensors")
+    return out
+
+
+# --------------------------------------------------------------------------- transport
+
+
+class GlooGroup:
+    """A torch.distributed gloo group of its own (a ``TCPStore`` rendezvous, not the default group):
+    rank 0 is the trainer, ranks 1.. the rollout workers. Every call has the group's deadline."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0, timeout=timeout,
+                                   wait_for_workers=False)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rollkit-weights", self.store), self.rank,
+                                        self.world_size, timeout)
+
+    def broadcast(self, t: Tensor) -> None:
+        self.pg.broadcast(t, 0).wait()
+
+    def close(self) -> None:
+        self.pg = None  # type: ignore[assignment]
+        self.store = None  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------- receiver (vLLM worker)
+
+
+def _receiver_base() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return WeightTransferEngine
+
+
+@dataclass
+class GlooInitInfo:
+    """What a worker needs to join the trainer's group: the store's address, its rank (offset
+    plus its worker rank) and the group's size, a deadline, and the engine's name for errors."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float = 300.0
+    engine: str = "vllm"
+
+
+@dataclass
+class GlooUpdateInfo:
+    """One bucket's metadata (:func:`pack_bucket`) plus the version it brings and, for patches,
+    the version they apply to (``base``; -1: no patch in this bucket)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    nnz: list[int]
+    nbytes: int
+    version: int
+    base: int = -1
+    keep: bool = False  # keep a copy of what arrives (delta mode)
+
+
+_ENGINE_CLS: type | None = None
+
+
+def _engine_cls() -> type:
+    """:class:`GlooWeightTransferEngine`, built on first use (it subclasses vLLM's base class, and
+    vLLM is imported only where a vLLM engine runs)."""
+    global _ENGINE_CLS
+    if _ENGINE_CLS is not None:
+        return _ENGINE_CLS
+    base = _receiver_base()
+
+    class _Gloo(base):  # type: ignore[misc, valid-type]
+        """vLLM worker side of ``rollkit_gloo``: joins the trainer's gloo group at
+        ``init_weight_transfer_engine``, receives each bucket's bytes with a broadcast, rebuilds
+        patched tensors from its copy, loads them with the model's ``load_weights`` inside vLLM's
+        layer-wise reload, and digests what it loaded (:meth:`report`)."""
+
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self.group: GlooGroup | None = None
+            self.engine_name = "vllm"
+            self.shadow: dict[str, Tensor] = {}
+            self.shadow_version = -1
+            self.digests: dict[str, str] = {}
+            self.version = -1
+            self._pending = -1
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            rank = int(init_info.rank_offset) + int(getattr(self.parallel_config, "rank", 0) or 0)
+            self.engine_name = init_info.engine
+            self.group = GlooGroup(init_info.master_address, init_info.master_port, rank,
+                                   init_info.world_size, timeout_s=init_info.timeout_s)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.digests = {}
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:  # no accelerator sync on CPU
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        def receive_weights(self, info: GlooUpdateInfo) -> None:
+            if self.group is None:
+                raise WeightSyncError(f"{self.engine_name}: weight transfer not initialised (init_weight_transfer_engine first)")
+            flat = torch.empty(int(info.nbytes), dtype=torch.uint8)
+            self.group.broadcast(flat)
+            patches = unpack_bucket(dataclass_dict(info), flat)
+            if info.base >= 0 and info.base != self.shadow_version:
+                raise WeightSyncError(
+                    f"{self.engine_name}: a delta update for version {info.version} applies to version "
+                    f"{info.base}, but this engine holds version {self.shadow_version}: send a full update"
+                )
+            weights = []
+            for p in patches:
+                full = apply_patch(p, self.shadow.get(p.name))  # a patch updates the copy in place
+                if info.keep:
+                    self.shadow[p.name] = full  # a dense tensor: a view of this bucket's fresh buffer
+                self.digests[p.name] = digest(full)
+                weights.append((p.name, full.to(self.device)))
+            self.model.load_weights(weights)
+            self._pending = int(info.version)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            _refresh_tied_head(self.model)
+            self.version = self._pending
+            self.shadow_version = self._pending if self.shadow else -1
+
+        def report(self) -> dict[str, Any]:
+            return {"version": self.version, "digests": dict(self.digests), "kept": len(self.shadow)}
+
+        def forget(self) -> None:
+            """Drop the delta copy (the next patch is refused: the sender then sends dense)."""
+            self.shadow.clear()
+            self.shadow_version = -1
+
+        def shutdown(self) -> None:
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+
+    _Gloo.__name__ = _Gloo.__qualname__ = "GlooWeightTransferEngine"
+    _ENGINE_CLS = _Gloo
+    return _Gloo
+
+
+def dataclass_dict(info: Any) -> dict[str, Any]:
+    return {k: getattr(info, k) for k in ("names", "dtype_names", "shapes", "nnz")}
+
+
+def _refresh_tied_head(model: Any) -> None:
+    """The CPU backend packs the LM head's weight into a oneDNN handle: with tied embeddings the
+    checkpoint has no ``lm_head.weight``, so the reload leaves that copy stale; re-pack it."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if head is not None and method is not None and getattr(model.config, "tie_word_embeddings", False):
+        method.process_weights_after_loading(head)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GlooWeightTransferEngine":
+        return _engine_cls()
+    raise AttributeError(name)
+
+
+_REGISTER_LOCK = threading.Lock()
+
+
+def register(name: str = BACKEND, engine_cls: type | None = None) -> None:
+    """Register rollkit's backend (or ``engine_cls``, a test double) with vLLM's
+    ``WeightTransferEngineFactory`` under ``name``; a second call is a no-op. Called by the vLLM
+    rollout engine before it builds ``LLM`` and by rollkit's worker extension in server workers."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with _REGISTER_LOCK:
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, engine_cls or _engine_cls())
+
+
+def worker_report(worker: Any) -> dict[str, Any]:
+    """Worker-side (``collective_rpc``): what the rollkit backend of this worker loaded last."""
+    eng = getattr(worker, "weight_transfer_engine", None)
+    if eng is None or not hasattr(eng, "report"):
+        return {"version": -1, "digests": {}, "kept": 0}
+    return eng.report()
+
+
+def worker_forget(worker: Any) -> bool:
+    eng = getattr(worker, "weight_transfer_engine", None)
+    if eng is not None and hasattr(eng, "forget"):
+        eng.forget()
+        return True
+    return False
+
+
+# --------------------------------------------------------------------------- sender (trainer)
+
+
+@dataclass
+class SyncStats:
+    """What one sync did (``sync/*`` metrics)."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    dense_bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    patched: int = 0
+    full: bool = True
+    peak_bucket_bytes: int = 0
+    probe_gap: float | None = None
+    failed: dict[str, str] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def metrics(self) -> dict[str, float]:
+        m = {
+            "sync/seconds": self.seconds,
+            "sync/bytes": float(self.bytes),
+            "sync/dense_bytes": float(self.dense_bytes),
+            "sync/delta_frac": self.bytes / self.dense_bytes if self.dense_bytes else 1.0,
+            "sync/buckets": float(self.buckets),
+        }
+        if self.probe_gap is not None:
+            m["sync/probe_gap"] = self.probe_gap
+        return m
+
+
+class Target:
+    """One receiving engine's control plane (the four weight-transfer calls plus its report):
+    an in-process ``vllm.LLM`` or a server's HTTP routes. ``workers`` ranks join the group."""
+
+    name: str = "engine"
+    workers: int = 1
+
+    def init(self, init_info: dict[str, Any]) -> None: ...
+    def start(self) -> None: ...
+    def update(self, update_info: dict[str, Any]) -> None: ...
+    def finish(self, version: int) -> None: ...
+    def reports(self) -> list[dict[str, Any]]: ...
+    def forget(self) -> None: ...
+
+
+class LLMTarget(Target):
+    """A ``vllm.LLM`` built with ``weight_transfer_config={"backend": "rollkit_gloo"}``."""
+
+    def __init__(self, llm: Any, name: str = "vllm", workers: int = 1) -> None:
+        self.llm, self.name, self.workers = llm, name, workers
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start(self) -> None:
+        self.llm.start_weight_update()
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish(self, version: int) -> None:
+        self.llm.finish_weight_update(str(int(version)))
+
+    def reports(self) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc("rollkit_weight_report"))  # rollkit's worker extension
+
+    def forget(self) -> None:
+        self.llm.collective_rpc("rollkit_weight_forget")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WeightPusher:
+    """The trainer's side of ``buckets`` / ``delta``.
+
+    One gloo group per target (the trainer as rank 0, the target's workers 1..), opened on the
+    first :meth:`push`, so that one engine failing does not break the others' transfer. Each push
+    streams the weights bucket by bucket: per target, its ``update_weights`` control call and the
+    broadcast run on two threads (the worker receives inside the call); then every target's report
+    is checked against what was sent.
+
+    Args:
+        targets: the receiving engines (:class:`LLMTarget`, :class:`HTTPTarget`).
+        mode: ``"buckets"`` or ``"delta"``.
+        bucket_bytes: the most bytes of tensors in one bucket.
+        dtype: the rollout's weight dtype (floating tensors are cast to it before sending).
+        check: compare every worker's report (version and digests) with what was sent.
+        timeout_s: the deadline of the rendezvous and of every broadcast and control call.
+        host: the address the targets' workers reach this process at.
+        strict: a target that fails fails the push (:class:`WeightSyncError`); ``False``: it is
+            left out of the rest of the push and named in ``SyncStats.failed`` (the server engine
+            drops it), and only a push that no target survives raises.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        *,
+        mode: str = "buckets",
+        bucket_bytes: int = 64 << 20,
+        dtype: torch.dtype | None = None,
+        check: bool = True,
+        timeout_s: float = 300.0,
+        host: str = "127.0.0.1",
+        strict: bool = True,
+    ) -> None:
+        if mode not in ("buckets", "delta"):
+            raise ValueError(f"rollout.weight_sync must be one of {MODES} here, got {mode!r}")
+        if not bucket_bytes > 0:
+            raise ValueError(f"rollout.weight_bucket_mb must be > 0, got {bucket_bytes} bytes")
+        if not targets:
+            raise ValueError("WeightPusher: no targets")
+        self.targets = list(targets)
+        self.mode, self.bucket_bytes, self.dtype = mode, int(bucket_bytes), dtype
+        self.check, self.timeout_s, self.host, self.strict = check, float(timeout_s), host, strict
+        self.groups: dict[int, GlooGroup] = {}
+        self.shadow: dict[str, Tensor] = {}
+        self.shadow_version = -1
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.targets) + 1, thread_name_prefix="rollkit-sync")
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _connect(self, targets: list[Target]) -> dict[Target, str]:
+        failed: dict[Target, str] = {}
+        pending = []
+        for t in targets:
+            port = _free_port()
+            info = {"master_address": self.host, "master_port": port, "rank_offset": 1,
+                    "world_size": 1 + t.workers, "timeout_s": self.timeout_s, "engine": t.name}
+            pending.append((t, port, self._pool.submit(t.init, info),
+                            self._pool.submit(GlooGroup, self.host, port, 0, 1 + t.workers, timeout_s=self.timeout_s)))
+        for t, _, call, group in pending:
+            try:
+                call.result(timeout=self.timeout_s)
+                self.groups[id(t)] = group.result(timeout=self.timeout_s)
+            except BaseException as e:
+                failed[t] = _why("init_weight_transfer_engine", e)
+        return failed
+
+    def _each(self, targets: list[Target], what: str, fn: Callable[[Target], Any]) -> dict[Target, str]:
+        futs = [(t, self._pool.submit(fn, t)) for t in targets]
+        failed: dict[Target, str] = {}
+        for t, f in futs:
+            try:
+                f.result(timeout=self.timeout_s)
+            except BaseException as e:
+                failed[t] = _why(what, e)
+        return failed
+
+    def _fail(self, live: list[Target], failed: dict[Target, str], stats: SyncStats) -> None:
+        for t, why in failed.items():
+            if t in live:
+                live.remove(t)
+            stats.failed[t.name] = why
+            group = self.groups.pop(id(t), None)
+            if group is not None:
+                group.close()
+        if failed and (self.strict or not live):
+            t, why = next(iter(failed.items()))
+            raise WeightSyncError(f"{t.name}: {why}")
+
+    # ---------------------------------------------------------------- the push
+
+    def push(self, named: Iterable[tuple[str, Tensor]], version: int, *, full: bool = False) -> SyncStats:
+        """Send ``named`` to every target as version ``version`` (``full``: dense even in delta
+        mode). Returns the sync's :class:`SyncStats`; raises :class:`WeightSyncError` when a target
+        fails (``strict``) or its report disagrees with what was sent."""
+        t0 = time.perf_counter()
+        stats = SyncStats()
+        live = list(self.targets)
+        new = [t for t in live if id(t) not in self.groups]
+        if new:
+            self._fail(live, self._connect(new), stats)
+        delta = self.mode == "delta"
+        base = self.shadow_version if (delta and not full and self.shadow and not new) else -1
+        if base >= 0 and not self._hold(live, base):
+            base = -1  # a receiver lost its copy or holds another version: everything dense
+        stats.full = base < 0
+        self._fail(live, self._each(live, "start_weight_update", lambda t: t.start()), stats)
+        sent: dict[str, str] = {}
+        try:
+            self._stream(named, version, base, delta, stats, sent, live)
+        except BaseException:
+            self._end_failed(live)
+            raise
+        self._fail(live, self._each(live, "finish_weight_update", lambda t: t.finish(version)), stats)
+        if delta:
+            self.shadow_version = int(version)
+        stats.digests = sent
+        if self.check:
+            bad = {}
+            for t in live:
+                try:
+                    self.verify(t, version, sent)
+                except WeightSyncError as e:
+                    bad[t] = str(e)
+            if bad:
+                t, why = next(iter(bad.items()))
+                raise WeightSyncError(why)  # never quietly: a target that loaded wrong weights fails the run
+        self.targets = [t for t in self.targets if t in live or t.name not in stats.failed]
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _hold(self, live: list[Target], version: int) -> bool:
+        """Whether every worker of every target holds its delta copy at ``version``."""
+        try:
+            return all(int(r.get("version", -1)) == version and int(r.get("kept", 0)) > 0
+                       for t in live for r in t.reports())
+        except Exception:
+            return False
+
+    def _stream(self, named: Iterable[tuple[str, Tensor]], version: int, base: int, delta: bool,
+                stats: SyncStats, sent: dict[str, str], live: list[Target]) -> None:
+        for bucket in iter_buckets(named, self.bucket_bytes, self.dtype):
+            patches = []
+            for name, tensor in bucket:
+                old = self.shadow.get(name) if base >= 0 else None
+                patches.append(encode(name, tensor, old))
+                stats.dense_bytes += _nbytes(tensor)
+                if delta:
+                    if old is not None:
+                        old.copy_(tensor)
+                    else:
+                        self.shadow[name] = tensor.clone()
+                if self.check:
+                    sent[name] = digest(tensor)
+            stats.patched += sum(p.indices is not None for p in patches)
+            meta, flat = pack_bucket(patches)
+            has_patch = any(p.indices is not None for p in patches)
+            info = {**meta, "version": int(version), "base": base if has_patch else -1, "keep": delta}
+            stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, sum(_nbytes(t) for _, t in bucket) + int(flat.numel()))
+            calls = [(t, self._pool.submit(t.update, info), self._pool.submit(self.groups[id(t)].broadcast, flat))
+                     for t in live]
+            failed: dict[Target, str] = {}
+            for t, call, cast in calls:
+                for what, f in (("update_weights", call), ("the broadcast", cast)):
+                    try:
+                        f.result(timeout=self.timeout_s)
+                    except BaseException as e:
+                        failed.setdefault(t, _why(what, e))
+            self._fail(live, failed, stats)
+            stats.bytes += int(flat.numel()) * len(live)
+            stats.tensors += len(patches)
+            stats.buckets += 1
+        stats.dense_bytes *= max(1, len(live))
+
+    def _end_failed(self, live: list[Target]) -> None:
+        """After a stream failed half-way: end the targets' open updates (what they loaded is not
+        a version: their engines must refuse to serve until the next sync) and forget the delta
+        copies, so that the next sync is dense."""
+        self._each(live, "finish_weight_update", lambda t: t.finish(-1))
+        self.shadow.clear()
+        self.shadow_version = -1
+
+    def verify(self, target: Target, version: int, sent: dict[str, str]) -> None:
+        """Every worker of ``target`` reports ``version`` and the digests that were sent."""
+        for w, rep in enumerate(target.reports()):
+            if int(rep.get("version", -1)) != int(version):
+                raise WeightSyncError(
+                    f"{target.name} (worker {w}): serves version {rep.get('version')} after the sync of version {version}"
+                )
+            got = rep.get("digests", {})
+            bad = first_difference(sent, got)
+            if bad is not None:
+                why = "never arrived" if bad not in got else ("was not sent" if bad not in sent else "differs from what was sent")
+                raise WeightSyncError(
+                    f"{target.name} (worker {w}): version {version}: tensor {bad!r} {why} "
+                    f"({sum(got.get(n) == d for n, d in sent.items())} of {len(sent)} tensors loaded as sent)"
+                )
+
+    def forget(self) -> None:
+        """Forget the delta copies on both ends: the next push is dense."""
+        self.shadow.clear()
+        self.shadow_version = -1
+        for t in self.targets:
+            t.forget()
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            g.close()
+        self.groups.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _why(what: str, e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{what} failed: {type(e).__name__}: {text[:300]}"
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def probe_gap(
+    rollout_logprobs: Callable[[list[int], list[int]], Sequence[float]],
+    trainer_logprobs: Callable[[list[int], list[int]], Sequence[float]],
+    prompt: list[int],
+    tokens: list[int],
+) -> float:
+    """The largest |difference| between the rollout's and the trainer's log-probs of ``tokens``
+    after ``prompt`` (both callables return one log-prob per token)."""
+    a = torch.as_tensor(list(rollout_logprobs(prompt, tokens)), dtype=torch.float64)
+    b = torch.as_tensor(list(trainer_logprobs(prompt, tokens)), dtype=torch.float64)
+    if a.shape != b.shape:
+        raise WeightSyncError(f"probe: the rollout scored {a.numel()} tokens, the trainer {b.numel()}")
+    return float((a - b).abs().max()) if a.numel() else 0.0
