@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainers.config import AgenticConfig, Config, DistillConfig, critic_needed
 from trainers.critic import build_critic
 from trainers.data import Prompt
 from trainers.engines.build import build_engines, build_model, frozen_reference, parse_dtype
+from trainers.engines.options import rollout_dtype, train_autocast
 from trainers.engines.requests import RequestEnginePool, as_request_engine
 from trainers.engines.server_rollout import ServerRolloutEngine
+from trainers.engines.weight_sync import PROBE_TEXT, check_probe, probe_gap
 from trainers.learner import Learner, learner_for, supervised_warmup
 from trainers.models import is_hub_id
 from trainers.ray import (
@@ -91,6 +95,9 @@ class Roles:
     # background collection), so a colocated rollout never sleeps
     may_sleep: bool = True
     _reward_busy: float = 0.0
+    _probe_ids: list[int] | None = None
+    _probe_gap: float | None = None
+    _sync_metrics: dict[str, float] = field(default_factory=dict)
     _domain_busy: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -139,8 +146,31 @@ class Roles:
         the train state to the host for the next generation (``placement.offload_train``)."""
         if self.rollout_sleeps:
             self.rollout.wake()
-        self.rollout.update_weights(self.learner.export_weights(), version=version)
+        direct = getattr(self.train, "push_weights", None)
+        if self.cfg.rollout.weight_sync != "reload" and callable(direct) and isinstance(self.rollout, RayRolloutGroup):
+            self._sync_metrics = direct(self.rollout, version)  # train rank 0 -> the rollout actors
+        else:
+            self.rollout.update_weights(self.learner.export_weights(), version=version)
+        self.check_weights(version)
         self.offload_train()
+
+    def check_weights(self, version: int) -> None:
+        """After a sync (``rollout.weight_check``): the probe, a few sampled tokens' log-probs from
+        the rollout against the learner's (:func:`~trainers.engines.weight_sync.probe_gap`); a gap
+        above ``rollout.weight_probe_tol`` (0: by dtype, :func:`probe_tol`) stops the run with a
+        one-line error. The gap is ``sync/probe_gap`` in :meth:`rollout_metrics`. Skipped where the
+        rollout cannot generate here or the learner cannot score."""
+        r = self.cfg.rollout
+        policy = getattr(self.learner, "engine", self.learner)
+        scores = hasattr(policy, "logprobs") or hasattr(policy, "batch_logprobs")
+        if not r.weight_check or self.tokenizer is None or not callable(getattr(self.rollout, "generate", None)) or not scores:
+            return
+        if self._probe_ids is None:
+            self._probe_ids = list(self.tokenizer(PROBE_TEXT).input_ids)
+        gap = probe_gap(self.rollout, policy, self._probe_ids, pad_token_id=self.tokenizer.pad_token_id or 0,
+                        micro_batch_size=self.cfg.train.micro_batch_size)
+        self._probe_gap = gap
+        check_probe(gap, probe_tol(self.cfg), engine=f"rollout.engine={r.engine}", version=version)
 
     def freeze_reference(self) -> Any:
         """The frozen copy of the policy's *current* weights as the reference, when
@@ -182,9 +212,10 @@ class Roles:
         ``server/*``: live, dropped and restarted servers, re-routed requests, errors, weight
         updates, and ``server/drop_cause``, a string); ``{}`` for the others."""
         counts = getattr(self.rollout, "metrics", None)
+        out = {**self._sync_metrics, **({} if self._probe_gap is None else {"sync/probe_gap": self._probe_gap})}
         if not callable(counts):
-            return {}
-        return {k: v if isinstance(v, str) else float(v) for k, v in counts().items()}
+            return out
+        return {**out, **{k: v if isinstance(v, str) else float(v) for k, v in counts().items()}}
 
     def close(self) -> None:
         """Stop the reward workers, the Ray actors / placement groups and the inference servers
@@ -193,6 +224,19 @@ class Roles:
         pool = [] if self.rewards is None else [self.rewards.close]
         close_all([*pool, *[o.close for o in reversed(self.owned)]])
         self.owned.clear()
+
+
+def probe_tol(cfg: Config | AgenticConfig) -> float:
+    """``rollout.weight_probe_tol``, or by dtype where it is 0: 1e-3 where the rollout's weights and
+    the trainer's forward are float32 (equal weights differ by about 3e-5 there, one Adam step at
+    lr 1e-5 by 0.2-0.8 on SmolLM2-135M: measured), else 1.0 (bfloat16's own gap is 0.1-0.2 there,
+    so only weights that are plainly not the trainer's are caught)."""
+    r = cfg.rollout
+    if r.weight_probe_tol > 0:
+        return float(r.weight_probe_tol)
+    dev = cfg.train.device
+    exact = rollout_dtype(cfg, dev) == torch.float32 and parse_dtype(cfg.model.dtype) == torch.float32
+    return 1e-3 if exact and train_autocast(cfg, dev) is None else 1.0
 
 
 def close_all(steps: list[Any]) -> None:

@@ -80,8 +80,11 @@ def weights_sha(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 def comparable(rows: list[dict]) -> list[dict]:
+    """Every metric but wall-clock ones and the weight sync's (``sync/*``: its seconds, and the
+    probe's gap, a diagnostic added after most fingerprints were recorded; the weights it checks
+    are fingerprinted themselves)."""
     return [
-        {k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/", "memory/"))}
+        {k: v for k, v in sorted(r.items()) if not k.startswith(("time/", "throughput/", "memory/", "sync/"))}
         for r in rows
     ]
 

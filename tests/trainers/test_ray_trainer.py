@@ -649,3 +649,38 @@ def test_the_agentic_ray_critic_starts_from_the_policy_before_its_warm_up(cluste
     shared = [k for k in ray_ if k.startswith("model.") and k in warmed]  # the backbone, by the policy's names
     assert shared and any(not torch.equal(ray_[k], warmed[k]) for k in shared)
     assert _no_leaks()
+
+
+@pytest.mark.slow
+def test_delta_weights_go_from_train_rank_0_straight_to_the_rollout_actor(cluster, tok, warm_model, tmp_path):
+    """rollout.weight_sync=delta on Ray with two FSDP2 train ranks: rank 0 streams the gathered
+    weights to the rollout actor over gloo (the actor's update_weights, the object-store path, is
+    never called), the actor's digests match, the second sync is patches, and the actor ends up
+    with the train weights exactly; the probe passes (float32)."""
+    cfg = load_config(
+        [
+            *BASE,
+            f"logging.dir={tmp_path}",
+            "placement.mode=disaggregated",
+            "placement.train_workers=2",
+            "placement.cpus_per_worker=0.5",
+            "train.engine=fsdp2",
+            "rollout.weight_sync=delta",
+            "rollout.weight_bucket_mb=0.05",
+            "rollout.prompts_per_step=2",
+            "rollout.n=4",
+            "train.lr=1e-3",
+        ]
+    )
+    with SyncTrainer(cfg, model=copy.deepcopy(warm_model), tokenizer=tok) as tr:
+        first, second = tr.step(), tr.step()
+        assert first["sync/buckets"] > 1 and first["sync/delta_frac"] == 1.0
+        assert 0 < second["sync/bytes"] <= second["sync/dense_bytes"]
+        assert 0 <= second["sync/probe_gap"] < 1e-4
+        state = _rollout_state(tr)
+        for name, w in tr.train.weights():
+            assert torch.equal(state[name].detach(), w), name
+        actor = tr.rollout.actors[0]
+        direct = ray.get(actor.__ray_call__.remote(lambda self: (self.engine.policy_version, self.engine.last_sync)))
+        assert direct == (2, None)  # version 2, and never through the engine's own update_weights
+    assert _no_leaks()

@@ -80,6 +80,20 @@ def test_delta_patches_are_exact_bit_for_bit(dtype):
     assert same.indices is not None and same.indices.numel() == 0 and same.nbytes == 0
 
 
+def test_a_bucket_of_mixed_dtypes_and_odd_sizes_unpacks_aligned():
+    g = torch.Generator().manual_seed(1)
+    tensors = [("a", torch.randn(5, generator=g).bfloat16()), ("b", torch.randn(5, generator=g)),
+               ("c", torch.randn(7, 3, generator=g).half()), ("d", torch.arange(3, dtype=torch.int64))]
+    old = {n: t.clone() for n, t in tensors}
+    for _, t in tensors[:3]:
+        t.view(-1)[1] += 1  # one changed element each: odd-sized patches of 2- and 4-byte values
+    patches = [encode(n, t, old[n]) for n, t in tensors[:3]] + [encode("d", tensors[3][1], None)]
+    assert [p.indices is None for p in patches] == [False, False, False, True]
+    meta, flat = pack_bucket(patches)
+    for p, (n, t) in zip(unpack_bucket(meta, flat), tensors, strict=True):
+        assert torch.equal(apply_patch(p, old[n]) if p.indices is not None else p.values.reshape(p.shape), t), n
+
+
 def test_a_patch_larger_than_the_tensor_is_sent_dense_and_a_patch_needs_its_base():
     old = torch.zeros(10)
     assert encode("w", torch.ones(10), old).indices is None  # 10 changes x 8 bytes > 40 bytes
@@ -209,6 +223,11 @@ def test_buckets_and_delta_leave_vllm_as_a_full_reload_does(engines, base_model,
             gens = engines[mode].generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=2))
             assert max_err(train.model, gens, tok, 1.0) < ATOL, mode
     assert stats["buckets", 1]["sync/buckets"] > 3 and stats["buckets", 2]["sync/delta_frac"] == 1.0
+    # the sender never held more than about one bucket (20 KiB; the 25.6 KB embedding is a bucket
+    # of its own) twice over (its tensors and their packed copy), a fraction of the model
+    biggest = max(p.numel() * 4 for p in base_model.parameters())
+    peak, model_bytes = stats["buckets", 1]["sync/peak_bucket_bytes"], stats["buckets", 1]["sync/dense_bytes"]
+    assert peak <= 2 * max(0.02 * 2**20, biggest) and peak < model_bytes / 4, (peak, model_bytes)
     assert stats["delta", 1]["sync/delta_frac"] == 1.0  # the first sync has nothing to patch
     # another model (2 steps from the base, not 1 more): patches where they are smaller, never more
     assert 0 < stats["delta", 2]["sync/bytes"] <= stats["delta", 2]["sync/dense_bytes"]
@@ -258,7 +277,7 @@ def _drop_one_tensor(worker):
 
     def receive(info):
         real(eng, info)
-        eng.digests.pop("model.norm.weight", None)
+        eng.receiver.digests.pop("model.norm.weight", None)
 
     eng.receive_weights = receive
     return True
@@ -309,3 +328,50 @@ def test_bad_updates_are_refused_by_name_and_the_engine_waits_for_a_good_one(eng
         VLLMRolloutEngine(e.model_path, weight_sync="nccl")
     with pytest.raises(ValueError, match=r"rollout.weight_bucket_mb must be > 0"):
         VLLMRolloutEngine(e.model_path, weight_sync="buckets", weight_bucket_mb=0)
+
+
+# --------------------------------------------------------------------------- the probe, in the loop
+
+
+class StaleRollout:
+    """Test double around a real HF rollout engine: ``update_weights`` takes the version and drops
+    the weights (the silent failure of an adapter never loaded or a sleep that lost an update)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def update_weights(self, named_tensors, version):
+        for _ in named_tensors:
+            pass
+        self.engine.policy_version = int(version)
+
+
+def _sync_trainer(tmp_path, tok, model, rollout, *overrides):
+    from trainers.config import load_config
+    from trainers.engines import TorchTrainEngine
+    from trainers.loops import SyncTrainer
+
+    cfg = load_config(["--model", "tiny", "data.digits=1", "data.eval_size=8", "eval.before=false", "eval.every=0",
+                       "rollout.prompts_per_step=2", "rollout.n=2", "train.lr=1e-2", "model.tiny_heads=2",
+                       "model.tiny_kv_heads=1", f"logging.dir={tmp_path}", *overrides])
+    train = TorchTrainEngine(model, lr=cfg.train.lr)
+    return SyncTrainer(cfg, rollout=rollout, train=train, tokenizer=tok)
+
+
+def test_the_probe_passes_a_true_sync_and_stops_a_stale_one_by_name(tmp_path, tok, base_model):
+    from trainers.engines import HFRolloutEngine
+
+    good = _sync_trainer(tmp_path / "good", tok, copy.deepcopy(base_model), HFRolloutEngine(copy.deepcopy(base_model), tok))
+    m = good.step()
+    assert 0 <= m["sync/probe_gap"] < 1e-4, m["sync/probe_gap"]  # float32 both ends: kernel noise
+    stale = _sync_trainer(tmp_path / "stale", tok, copy.deepcopy(base_model),
+                          StaleRollout(HFRolloutEngine(copy.deepcopy(base_model), tok)))
+    with pytest.raises(WeightSyncError, match=r"rollout.engine=hf: after the sync of version 1 the rollout's "
+                                              r"log-probs differ from the trainer's by .* it does not serve"):
+        stale.step()
+    off = _sync_trainer(tmp_path / "off", tok, copy.deepcopy(base_model),
+                        StaleRollout(HFRolloutEngine(copy.deepcopy(base_model), tok)), "rollout.weight_check=false")
+    assert "sync/probe_gap" not in off.step()

@@ -39,7 +39,7 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
 from trainers.engines.options import rollout_dtype
-from trainers.engines.weight_sync import MODES, SyncStats
+from trainers.engines.weight_sync import MODES, EngineTarget, SyncStats
 from trainers.vision import collate, image_inputs, to_device, vision_token_ids
 from trainers.vision import position_ids as vision_position_ids
 
@@ -190,6 +190,7 @@ class HFRolloutEngine:
         self._needs_weights = False
         self.weight_sync = weight_sync
         self.last_sync: SyncStats | None = None
+        self._target: EngineTarget | None = None
 
     # ------------------------------------------------------------------ generation
 
@@ -409,6 +410,31 @@ class HFRolloutEngine:
         self.last_sync = stats
         self._needs_weights, self._stale_why = False, "discarded by sleep(level=2)"
         self.policy_version = int(version)
+
+    def sync_target(self) -> EngineTarget:
+        """This engine as the target of a sender elsewhere (train rank 0 on Ray, ``weight_sync``
+        buckets / delta): a :class:`~trainers.engines.weight_sync.Receiver` here whose tensors are
+        checked by name and shape and copied into the parameters as each bucket arrives."""
+        if self._target is None:
+            self._target = EngineTarget("hf engine", load=self._load_bucket, finished=self._finished)
+        return self._target
+
+    def _load_bucket(self, weights: list[tuple[str, Tensor]]) -> None:
+        self._needs_weights, self._stale_why = True, "left half-loaded by a failed update"
+        targets = self.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, t in weights:
+                if name not in targets:
+                    raise KeyError(f"update_weights: unknown parameter {name!r}")
+                dst = targets[name]
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ValueError(f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(dst.shape)}")
+                dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+
+    def _finished(self, version: int) -> None:
+        if version >= 0:
+            self._needs_weights, self._stale_why = False, "discarded by sleep(level=2)"
+            self.policy_version = int(version)
 
     def metrics(self) -> dict[str, float]:
         """``sync/*`` of the latest ``weight_sync`` buckets / delta update (``{}`` before one)."""

@@ -50,7 +50,7 @@ from trainers.engines.base import position_ids_from_mask
 from trainers.engines.compiled import adamw
 from trainers.engines.megatron_cpu import install as install_cpu_shims
 from trainers.engines.megatron_cpu import seed_model_parallel_rng
-from trainers.engines.megatron_weights import Layout, is_sharded, layout_of, pairs, to_hf, to_megatron
+from trainers.engines.megatron_weights import Layout, is_sharded, layout_of, merge, pairs, to_megatron
 from trainers.engines.offload import Offloadable, resident, state_tensors
 from trainers.engines.options import train_autocast
 from trainers.engines.torch_train import response_logprobs, used_response_width
@@ -478,25 +478,29 @@ class MegatronTrainEngine(Offloadable):
                 p.copy_(local[name].to(p.dtype))
 
     def _full(self, tensors: dict[str, Tensor], dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
-        """``{megatron name: this rank's shard}`` as whole Hugging Face tensors, on every rank
-        (a collective: the tensor-parallel shards gathered, each stage's broadcast)."""
+        """``{megatron name: this rank's shard}`` as whole Hugging Face tensors in Hugging Face's
+        ``named_parameters`` order, on every rank (a collective: the tensor-parallel shards
+        gathered, each stage's broadcast), one decoder layer at a time: the peak extra memory is
+        one gathered layer, not a stage (``rollout.weight_sync`` buckets stream them)."""
+        order = {n: i for i, n in enumerate(self._hf_shapes)}
         for stage in range(self.lay.pp):
-            merged: dict[str, Tensor] = {}
-            if stage == self.stage:
-                shards = {meg: self._gather_tp(tensors[meg]) for _, meg in pairs(self.lay, stage)}
-                merged = to_hf(shards, self.lay, stage)
-            names = [
-                n for hf, meg in pairs(self.lay, stage) if not (stage and self._tied_copy(meg)) for n in hf
-            ]
-            names.sort(key=list(self._hf_shapes).index)  # Hugging Face's named_parameters order
-            for name in names:
-                t = merged[name] if stage == self.stage else torch.empty(self._hf_shapes[name], dtype=dtype,
-                                                                         device=self.device)  # fmt: skip
-                if self.lay.pp > 1:
-                    t = t.to(dtype).contiguous()
-                    group = self._ps.get_pipeline_model_parallel_group()
-                    torch.distributed.broadcast(t, src=self._stage_rank(stage), group=group)
-                yield name, t
+            groups: dict[str, list[tuple[tuple[str, ...], str]]] = {}
+            for hf, meg in pairs(self.lay, stage):
+                if not (stage and self._tied_copy(meg)):
+                    groups.setdefault(".".join(hf[0].split(".")[:3]), []).append((hf, meg))  # model.layers.<i>
+            for group in groups.values():
+                merged: dict[str, Tensor] = {}
+                if stage == self.stage:
+                    for hf, meg in group:
+                        merged.update(zip(hf, merge(meg, self._gather_tp(tensors[meg]), self.lay), strict=True))
+                for name in sorted((n for hf, _ in group for n in hf), key=order.__getitem__):
+                    t = merged.pop(name) if stage == self.stage else torch.empty(
+                        self._hf_shapes[name], dtype=dtype, device=self.device)  # fmt: skip
+                    if self.lay.pp > 1:
+                        t = t.to(dtype).contiguous()
+                        group_pp = self._ps.get_pipeline_model_parallel_group()
+                        torch.distributed.broadcast(t, src=self._stage_rank(stage), group=group_pp)
+                    yield name, t
 
     @resident
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:

@@ -250,6 +250,12 @@ def to_megatron(hf: Mapping[str, Tensor], lay: Layout, *, stage: int = 0, rank: 
     return out
 
 
+def merge(meg: str, shards: Sequence[Tensor], lay: Layout) -> list[Tensor]:
+    """One Megatron weight's tensor-parallel shards (rank 0 first) as its Hugging Face tensors, in
+    the order of its names in :func:`pairs` (a fused QKV: q, k, v; a fused gate/up: gate, up)."""
+    return _merge(_kind(meg), shards, lay)
+
+
 def to_hf(stage_shards: Mapping[str, Sequence[Tensor]], lay: Layout, stage: int) -> dict[str, Tensor]:
     """Merge one pipeline stage's weights, ``{megatron name: [shard of rank 0, ..., rank tp-1]}``,
     into Hugging Face names (the inverse of :func:`to_megatron`; a tied model's last-stage copy of

@@ -36,6 +36,7 @@ from trainers.engines.options import dtype_name, rollout_dtype, rollout_lora
 from trainers.engines.weight_sync import (
     BACKEND,
     MODES,
+    EngineTarget,
     LLMTarget,
     SyncStats,
     WeightPusher,
@@ -295,6 +296,7 @@ class VLLMRolloutEngine:
         self.weight_sync, self.weight_check = weight_sync, bool(weight_check)
         self._weight_sync_args = (int(weight_bucket_mb * 2**20), float(weight_timeout_s), int(tensor_parallel_size))
         self._pusher: WeightPusher | None = None
+        self._target: EngineTarget | None = None
         self.last_sync: SyncStats | None = None
         self.lora, self._lora_request, self._adapters = lora, None, 0
         self.dtype = _DTYPES[dtype]
@@ -650,6 +652,23 @@ class VLLMRolloutEngine:
             raise
         self._after_full_update(version)
         self._stale_why = "discarded by sleep(level=2)"
+
+    def sync_target(self) -> EngineTarget:
+        """This engine as the target of a sender elsewhere (train rank 0 on Ray: ``weight_sync``
+        buckets / delta straight from the trainer, not through Ray's object store)."""
+        if self.weight_sync == "reload":
+            raise ValueError("sync_target: this engine was built with weight_sync='reload'")
+        if self._target is None:
+            self._target = EngineTarget(f"vllm engine {self.model_path.name!r}", llm=self.llm,
+                                        finished=self._finished, workers=self._weight_sync_args[2])
+        return self._target
+
+    def _finished(self, version: int) -> None:
+        if version < 0:
+            self._needs_weights, self._stale_why = True, "left half-loaded by a failed update"
+        else:
+            self._after_full_update(version)
+            self._stale_why = "discarded by sleep(level=2)"
 
     def metrics(self) -> dict[str, float]:
         """``sync/*`` of the latest weight sync through ``weight_sync`` buckets / delta (``{}`` before one)."""

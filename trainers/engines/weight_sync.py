@@ -26,20 +26,30 @@ patches, and the check after every sync.
   to; a receiver at another version refuses it by name, and the sender then sends everything
   dense.
 
-**The check** (``rollout.weight_check``, on by default): every receiver digests what it loaded
-(sha256 per tensor, :func:`digest`, combined over names) and reports it with the version; the
-sender compares with its own digest of what it sent, and a mismatch fails the sync with a
+**The check** (``rollout.weight_check``, on by default): every receiver (:class:`Receiver`)
+digests what it loaded (sha256 per tensor, :func:`digest`) and reports it with the version; the
+sender compares with its own digests of what it sent, and a mismatch fails the sync with a
 one-line error naming the engine, the version and the first tensor that differs
-(:class:`WeightSyncError`). A probe (a few fixed tokens' log-probs from the rollout against the
-trainer's, :func:`probe_gap`) catches what a digest of the sent bytes cannot: weights that
-arrived but are not what the model serves.
+(:class:`WeightSyncError`). The probe (a few sampled tokens' log-probs from the rollout against
+the trainer's, :func:`probe_gap`, run by the sync loops after every sync of any mode) catches
+what a digest of the sent bytes cannot: weights that arrived but are not what the model serves.
+
+Where the sender runs elsewhere (train rank 0 on Ray), an engine offers itself as an
+:class:`EngineTarget` (``sync_target()``): a vLLM engine's workers receive, an HF engine receives
+in its own process and copies each bucket into its parameters.
 
 Metrics of a sync (:class:`SyncStats`): ``sync/seconds``, ``sync/bytes`` (on the wire),
 ``sync/dense_bytes`` (what a full update would move), ``sync/delta_frac`` (their ratio),
 ``sync/probe_gap``.
 
->>> list(len(b) for b in iter_buckets([("a", torch.ones(4)), ("b", torch.ones(4))], 16))
-[1, 1]
+Example (the wire format without a transport)::
+
+    >>> new, old = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 0.0, 3.0, 4.0])
+    >>> meta, flat = pack_bucket([encode("w", new, old)])
+    >>> meta["nnz"], flat.numel()   # one changed element: a 4-byte index, 4 bytes of padding, the value
+    ([1], 12)
+    >>> apply_patch(unpack_bucket(meta, flat)[0], old.clone()).tolist()
+    [1.0, 2.0, 3.0, 4.0]
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainers.engines.base import SamplingParams, batch_logprobs, pack_generations
+
 __all__ = [
     "BACKEND",
     "MODES",
@@ -69,6 +81,8 @@ __all__ = [
     "encode",
     "iter_buckets",
     "pack_bucket",
+    "PROBE_TEXT",
+    "check_probe",
     "probe_gap",
     "register",
     "unpack_bucket",
@@ -229,12 +243,26 @@ def apply_patch(patch: Patch, old: Tensor | None) -> Tensor:
 # --------------------------------------------------------------------------- the wire format
 
 
+def _align(pos: int) -> int:
+    return (pos + 7) // 8 * 8
+
+
 def pack_bucket(patches: Sequence[Patch]) -> tuple[dict[str, Any], Tensor]:
     """A bucket as ``(meta, flat)``: ``flat`` the bytes of every patch (indices then values) in
-    order, ``meta`` what the receiver needs to cut them apart (names, dtypes, shapes, ``nnz``:
+    order, each part at a multiple of 8 bytes (so every view of it is aligned), ``meta`` what the receiver needs to cut them apart (names, dtypes, shapes, ``nnz``:
     -1 for a dense tensor)."""
     parts: list[Tensor] = []
     meta: dict[str, Any] = {"names": [], "dtype_names": [], "shapes": [], "nnz": []}
+    size = 0
+
+    def add(t: Tensor) -> None:  # every part starts at a multiple of 8 bytes (its view's alignment)
+        nonlocal size
+        pad = _align(size) - size
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+        parts.append(t)
+        size += pad + t.numel()
+
     for p in patches:
         meta["names"].append(p.name)
         meta["dtype_names"].append(str(p.dtype).removeprefix("torch."))
@@ -243,9 +271,8 @@ def pack_bucket(patches: Sequence[Patch]) -> tuple[dict[str, Any], Tensor]:
             meta["nnz"].append(-1)
         else:
             meta["nnz"].append(int(p.indices.numel()))
-            parts.append(p.indices.to(torch.int64 if p.indices.dtype == torch.int64 else torch.int32)
-                         .reshape(-1).view(torch.uint8))
-        parts.append(p.values.reshape(-1).contiguous().view(torch.uint8))
+            add(p.indices.to(torch.int64 if p.indices.dtype == torch.int64 else torch.int32).reshape(-1).view(torch.uint8))
+        add(p.values.reshape(-1).contiguous().view(torch.uint8))
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     meta["nbytes"] = int(flat.numel())
     return meta, flat
@@ -265,11 +292,13 @@ def unpack_bucket(meta: dict[str, Any], flat: Tensor) -> list[Patch]:
         if nnz >= 0:
             idx_dtype = torch.int32 if numel < 2**31 else torch.int64
             ib = nnz * (4 if idx_dtype == torch.int32 else 8)
+            pos = _align(pos)
             idx = flat[pos : pos + ib].view(idx_dtype)
             pos += ib
             count = nnz
         else:
             count = numel
+        pos = _align(pos)
         vals = flat[pos : pos + count * esize].view(dtype)
         pos += count * esize
         out.append(Patch(name, tuple(int(s) for s in shape), dtype, vals, idx))
@@ -340,6 +369,70 @@ class GlooUpdateInfo:
     keep: bool = False  # keep a copy of what arrives (delta mode)
 
 
+class Receiver:
+    """The receiving end of ``buckets`` / ``delta``, whatever then loads the tensors (a vLLM
+    worker's model, an HF engine's parameters): joins the trainer's gloo group, receives each
+    bucket's bytes with a broadcast, rebuilds patched tensors from its copy of what it last
+    received, refuses a patch for another version, and digests every tensor it hands on."""
+
+    def __init__(self, name: str = "engine") -> None:
+        self.name = name
+        self.group: GlooGroup | None = None
+        self.shadow: dict[str, Tensor] = {}
+        self.shadow_version = -1
+        self.digests: dict[str, str] = {}
+        self.version = -1
+        self._pending = -1
+
+    def join(self, info: GlooInitInfo, rank: int) -> None:
+        self.name = info.engine
+        if self.group is not None:
+            self.group.close()
+        self.group = GlooGroup(info.master_address, info.master_port, rank, info.world_size, timeout_s=info.timeout_s)
+
+    def start(self) -> None:
+        self.digests = {}
+
+    def receive(self, info: GlooUpdateInfo) -> list[tuple[str, Tensor]]:
+        """One bucket: ``(name, whole tensor)`` on CPU, in the bucket's order."""
+        if self.group is None:
+            raise WeightSyncError(f"{self.name}: weight transfer not initialised (init_weight_transfer_engine first)")
+        flat = torch.empty(int(info.nbytes), dtype=torch.uint8)
+        self.group.broadcast(flat)
+        patches = unpack_bucket(dataclass_dict(info), flat)
+        if info.base >= 0 and info.base != self.shadow_version:
+            raise WeightSyncError(
+                f"{self.name}: a delta update for version {info.version} applies to version "
+                f"{info.base}, but this engine holds version {self.shadow_version}: send a full update"
+            )
+        out = []
+        for p in patches:
+            full = apply_patch(p, self.shadow.get(p.name))  # a patch updates the copy in place
+            if info.keep:
+                self.shadow[p.name] = full  # a dense tensor: a view of this bucket's fresh buffer
+            self.digests[p.name] = digest(full)
+            out.append((p.name, full))
+        self._pending = int(info.version)
+        return out
+
+    def finish(self) -> None:
+        self.version = self._pending
+        self.shadow_version = self._pending if self.shadow else -1
+
+    def report(self) -> dict[str, Any]:
+        return {"version": self.version, "digests": dict(self.digests), "kept": len(self.shadow)}
+
+    def forget(self) -> None:
+        """Drop the delta copy (the next patch is refused: the sender then sends dense)."""
+        self.shadow.clear()
+        self.shadow_version = -1
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
 _ENGINE_CLS: type | None = None
 
 
@@ -352,10 +445,9 @@ def _engine_cls() -> type:
     base = _receiver_base()
 
     class _Gloo(base):  # type: ignore[misc, valid-type]
-        """vLLM worker side of ``rollkit_gloo``: joins the trainer's gloo group at
-        ``init_weight_transfer_engine``, receives each bucket's bytes with a broadcast, rebuilds
-        patched tensors from its copy, loads them with the model's ``load_weights`` inside vLLM's
-        layer-wise reload, and digests what it loaded (:meth:`report`)."""
+        """vLLM worker side of ``rollkit_gloo``: a :class:`Receiver` whose tensors go to the
+        model's ``load_weights`` inside vLLM's layer-wise reload (the CPU backend's tied LM head
+        re-packed after it)."""
 
         init_info_cls = GlooInitInfo
         update_info_cls = GlooUpdateInfo
@@ -363,24 +455,16 @@ def _engine_cls() -> type:
 
         def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
             super().__init__(config, vllm_config, device, model)
-            self.group: GlooGroup | None = None
-            self.engine_name = "vllm"
-            self.shadow: dict[str, Tensor] = {}
-            self.shadow_version = -1
-            self.digests: dict[str, str] = {}
-            self.version = -1
-            self._pending = -1
+            self.receiver = Receiver("vllm")
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             rank = int(init_info.rank_offset) + int(getattr(self.parallel_config, "rank", 0) or 0)
-            self.engine_name = init_info.engine
-            self.group = GlooGroup(init_info.master_address, init_info.master_port, rank,
-                                   init_info.world_size, timeout_s=init_info.timeout_s)
+            self.receiver.join(init_info, rank)
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            self.digests = {}
+            self.receiver.start()
             initialize_layerwise_reload(self.model)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:  # no accelerator sync on CPU
@@ -389,46 +473,23 @@ def _engine_cls() -> type:
                 torch.cuda.synchronize()
 
         def receive_weights(self, info: GlooUpdateInfo) -> None:
-            if self.group is None:
-                raise WeightSyncError(f"{self.engine_name}: weight transfer not initialised (init_weight_transfer_engine first)")
-            flat = torch.empty(int(info.nbytes), dtype=torch.uint8)
-            self.group.broadcast(flat)
-            patches = unpack_bucket(dataclass_dict(info), flat)
-            if info.base >= 0 and info.base != self.shadow_version:
-                raise WeightSyncError(
-                    f"{self.engine_name}: a delta update for version {info.version} applies to version "
-                    f"{info.base}, but this engine holds version {self.shadow_version}: send a full update"
-                )
-            weights = []
-            for p in patches:
-                full = apply_patch(p, self.shadow.get(p.name))  # a patch updates the copy in place
-                if info.keep:
-                    self.shadow[p.name] = full  # a dense tensor: a view of this bucket's fresh buffer
-                self.digests[p.name] = digest(full)
-                weights.append((p.name, full.to(self.device)))
-            self.model.load_weights(weights)
-            self._pending = int(info.version)
+            self.model.load_weights([(n, t.to(self.device)) for n, t in self.receiver.receive(info)])
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)
             _refresh_tied_head(self.model)
-            self.version = self._pending
-            self.shadow_version = self._pending if self.shadow else -1
+            self.receiver.finish()
 
         def report(self) -> dict[str, Any]:
-            return {"version": self.version, "digests": dict(self.digests), "kept": len(self.shadow)}
+            return self.receiver.report()
 
         def forget(self) -> None:
-            """Drop the delta copy (the next patch is refused: the sender then sends dense)."""
-            self.shadow.clear()
-            self.shadow_version = -1
+            self.receiver.forget()
 
         def shutdown(self) -> None:
-            if self.group is not None:
-                self.group.close()
-                self.group = None
+            self.receiver.close()
 
     _Gloo.__name__ = _Gloo.__qualname__ = "GlooWeightTransferEngine"
     _ENGINE_CLS = _Gloo
@@ -514,6 +575,8 @@ class SyncStats:
             "sync/dense_bytes": float(self.dense_bytes),
             "sync/delta_frac": self.bytes / self.dense_bytes if self.dense_bytes else 1.0,
             "sync/buckets": float(self.buckets),
+            # the most bytes the sender held for one bucket (its tensors and their packed copy)
+            "sync/peak_bucket_bytes": float(self.peak_bucket_bytes),
         }
         if self.probe_gap is not None:
             m["sync/probe_gap"] = self.probe_gap
@@ -558,6 +621,61 @@ class LLMTarget(Target):
 
     def forget(self) -> None:
         self.llm.collective_rpc("rollkit_weight_forget")
+
+
+class EngineTarget(Target):
+    """A rollout engine in this process as a target (what a Ray rollout actor offers train rank 0):
+    a vLLM engine's ``LLM`` (its workers receive), or a :class:`Receiver` here whose tensors go
+    to ``load`` (the HF engine's parameters). ``finished(version)`` runs after ``finish`` (the
+    engine's bookkeeping: its version, prefix cache; -1: a failed sync, refuse to serve)."""
+
+    def __init__(self, name: str, *, llm: Any = None, load: Callable[[list[tuple[str, Tensor]]], None] | None = None,
+                 finished: Callable[[int], None] | None = None, workers: int = 1) -> None:
+        if (llm is None) == (load is None):
+            raise ValueError("EngineTarget: give llm (a vLLM engine) or load (tensors loaded here)")
+        self.name, self.workers, self.finished = name, int(workers), finished
+        self.llm = None if llm is None else LLMTarget(llm, name, workers)
+        self.receiver = None if load is None else Receiver(name)
+        self.load = load
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        if self.llm is not None:
+            return self.llm.init(init_info)
+        assert self.receiver is not None
+        info = GlooInitInfo(**init_info)
+        self.receiver.join(info, int(info.rank_offset))
+
+    def start(self) -> None:
+        if self.llm is not None:
+            return self.llm.start()
+        assert self.receiver is not None
+        self.receiver.start()
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        if self.llm is not None:
+            return self.llm.update(update_info)
+        assert self.receiver is not None and self.load is not None
+        self.load(self.receiver.receive(GlooUpdateInfo(**update_info)))
+
+    def finish(self, version: int) -> None:
+        if self.llm is not None:
+            self.llm.finish(version)
+        elif self.receiver is not None:
+            self.receiver.finish()
+        if self.finished is not None:
+            self.finished(int(version))
+
+    def reports(self) -> list[dict[str, Any]]:
+        if self.llm is not None:
+            return self.llm.reports()
+        assert self.receiver is not None
+        return [self.receiver.report()]
+
+    def forget(self) -> None:
+        if self.llm is not None:
+            return self.llm.forget()
+        assert self.receiver is not None
+        self.receiver.forget()
 
 
 def _free_port() -> int:
@@ -787,17 +905,29 @@ def _why(what: str, e: BaseException) -> str:
 
 # --------------------------------------------------------------------------- the probe
 
+#: the probe's prompt: any text will do; fixed so that the gaps of a run compare
+PROBE_TEXT = "Probe: 3 + 4 = 7, 12 + 5 ="
 
-def probe_gap(
-    rollout_logprobs: Callable[[list[int], list[int]], Sequence[float]],
-    trainer_logprobs: Callable[[list[int], list[int]], Sequence[float]],
-    prompt: list[int],
-    tokens: list[int],
-) -> float:
-    """The largest |difference| between the rollout's and the trainer's log-probs of ``tokens``
-    after ``prompt`` (both callables return one log-prob per token)."""
-    a = torch.as_tensor(list(rollout_logprobs(prompt, tokens)), dtype=torch.float64)
-    b = torch.as_tensor(list(trainer_logprobs(prompt, tokens)), dtype=torch.float64)
-    if a.shape != b.shape:
-        raise WeightSyncError(f"probe: the rollout scored {a.numel()} tokens, the trainer {b.numel()}")
-    return float((a - b).abs().max()) if a.numel() else 0.0
+
+def probe_gap(rollout: Any, policy: Any, prompt_ids: Sequence[int], *, pad_token_id: int,
+              tokens: int = 8, samples: int = 2, micro_batch_size: int = 8, seed: int = 1234) -> float:
+    """The largest |log-prob difference| between what ``rollout`` reports for ``samples`` sampled
+    continuations (``tokens`` each, temperature 1, untruncated) of ``prompt_ids`` and what
+    ``policy`` (a train engine, or a Ray train group with ``batch_logprobs``) computes for them.
+
+    Equal weights give the kernels' noise (about 1e-6 in float32 on CPU, measured); weights that
+    did not arrive, or arrived mapped wrongly, give the distance between two models."""
+    gens = rollout.generate([list(prompt_ids)], SamplingParams(n=samples, max_tokens=tokens, temperature=1.0, seed=seed))
+    b = pack_generations(gens, pad_token_id)
+    lp = batch_logprobs(policy, b, temperature=1.0, micro_batch_size=micro_batch_size)
+    gap = (lp.float() - b.old_logprobs.float()).abs() * b.response_mask
+    return float(gap.max()) if gap.numel() else 0.0
+
+
+def check_probe(gap: float, tol: float, *, engine: str, version: int) -> None:
+    """A one-line :class:`WeightSyncError` when ``gap`` exceeds ``tol``."""
+    if gap > tol:
+        raise WeightSyncError(
+            f"{engine}: after the sync of version {version} the rollout's log-probs differ from the trainer's "
+            f"by {gap:.3g} (> rollout.weight_probe_tol={tol:g}): it does not serve the trainer's weights"
+        )

@@ -209,7 +209,9 @@ class AsyncTrainer:
         )
         with timer("weight_sync"):
             weights = self.learner.export_weights()  # Ray: one object-store copy for every actor
-            weights = weights if _is_object_ref(weights) else list(weights)
+            # several engines read the same weights: a list; one engine takes the stream as it is
+            # (rollout.weight_sync buckets / delta then hold one bucket, not the model)
+            weights = weights if _is_object_ref(weights) or len(sch.engines) == 1 else list(weights)
             sch.finish_overlap()
             keep = ac.in_flight == "keep"
             metrics["async/stopped_in_flight"] = sch.update_weights(weights, n + 1, keep=keep)

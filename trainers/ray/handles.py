@@ -288,6 +288,14 @@ class RayTrainGroup:
         wait_all(refs, self._names("export_weights"), self.timeout_s)  # rank 0's stays in the store
         return refs[0]
 
+    def push_weights(self, rollout: RayRolloutGroup, version: int) -> dict[str, float]:
+        """``rollout.weight_sync`` buckets / delta: train rank 0 streams the weights straight to
+        every rollout actor (gloo, not Ray's object store); returns the sync's ``sync/*`` metrics."""
+        out = self._all([w.push_weights.remote(rollout.actors, int(version), self.timeout_s) for w in self.workers],
+                        "push_weights")
+        rollout.policy_version = int(version)
+        return dict(out[0] or {})
+
     def batch_logprobs(
         self,
         batch: PackedBatch,

@@ -43,8 +43,10 @@ from trainers.engines.build import (
     parse_dtype,
     train_autocast,
 )
+from trainers.engines.options import rollout_dtype
 from trainers.engines.requests import as_request_engine
 from trainers.engines.torch_train import TorchTrainEngine, response_hidden
+from trainers.engines.weight_sync import Target, WeightPusher
 from trainers.learner import UpdateSpec, ppo_update
 
 __all__ = [
@@ -182,6 +184,21 @@ class RolloutWorker:
         (self.engine if self.requests is None else self.requests).update_weights(weights, version)
         return version
 
+    def sync_op(self, op: str, arg: Any = None) -> Any:
+        """``rollout.weight_sync`` buckets / delta sent by train rank 0 straight to this actor: one
+        call of the weight-sync control plane (``init``, ``start``, ``update``, ``finish``,
+        ``reports``, ``forget``; ``workers``: how many ranks of this engine join the group) on
+        its engine's :meth:`sync_target`."""
+        if self.requests is not None and self.requests.num_running:
+            raise RuntimeError(f"update_weights: {self.requests.num_running} requests are running; abort them first")
+        target = self.engine.sync_target()
+        if op == "workers":
+            return target.workers
+        if op not in ("init", "start", "update", "finish", "reports", "forget"):
+            raise ValueError(f"sync_op: unknown operation {op!r}")
+        fn = getattr(target, op)
+        return fn() if arg is None else fn(arg)
+
     # request level (:class:`RayRequestEngine`: the asynchronous trainer's queue scheduling, the
     # synchronous collectors' per-request lengths and tail batching)
 
@@ -216,6 +233,37 @@ class RolloutWorker:
         return _node_id()
 
 
+class RayActorTarget(Target):
+    """A Ray rollout actor as a weight-sync target: each control call is ``RolloutWorker.sync_op``
+    with a deadline; the actor's engine (a vLLM engine's workers, or the HF engine itself) joins
+    the sender's gloo group."""
+
+    def __init__(self, actor: Any, name: str, timeout_s: float) -> None:
+        self.actor, self.name, self.timeout_s = actor, name, float(timeout_s)
+        self.workers = int(self._call("workers"))
+
+    def _call(self, op: str, arg: Any = None) -> Any:
+        return call(self.actor.sync_op.remote(op, arg), f"{self.name} ({op})", self.timeout_s)
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self._call("init", init_info)
+
+    def start(self) -> None:
+        self._call("start")
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self._call("update", update_info)
+
+    def finish(self, version: int) -> None:
+        self._call("finish", int(version))
+
+    def reports(self) -> list[dict[str, Any]]:
+        return list(self._call("reports"))
+
+    def forget(self) -> None:
+        self._call("forget")
+
+
 class TrainWorker:
     """Data-parallel rank ``rank`` of ``world_size``: a training engine and :func:`ppo_update`."""
 
@@ -223,6 +271,8 @@ class TrainWorker:
         _setup_process(threads)
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.engine: Any = None
+        self._pusher: WeightPusher | None = None  # rollout.weight_sync buckets / delta (rank 0)
+        self._pusher_actors: list[int] = []
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for the rendezvous (called on rank 0)."""
@@ -296,6 +346,28 @@ class TrainWorker:
     def export_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         weights = list(self.engine.export_weights())  # every rank: ZeRO-3 gathers collectively
         return weights if self.rank == 0 else None
+
+    def push_weights(self, actors: list[Any], version: int, timeout_s: float) -> dict[str, Any] | None:
+        """``rollout.weight_sync`` buckets / delta on Ray: rank 0 streams its export straight to the
+        rollout actors (:class:`~trainers.engines.weight_sync.WeightPusher` over
+        :class:`RayActorTarget` s, gloo groups of its own, opened once); every other rank drains
+        the export (a collective where the engine gathers). Returns rank 0's sync metrics."""
+        if self.rank != 0:
+            for _ in self.engine.export_weights():
+                pass
+            return None
+        if self._pusher is None or self._pusher_actors != [id(a) for a in actors]:
+            if self._pusher is not None:
+                self._pusher.close()
+            r = self.cfg.rollout
+            targets = [RayActorTarget(a, f"rollout actor {i}", timeout_s) for i, a in enumerate(actors)]
+            self._pusher = WeightPusher(
+                targets, mode=r.weight_sync, bucket_bytes=int(r.weight_bucket_mb * 2**20),
+                dtype=rollout_dtype(self.cfg, self.device), check=r.weight_check, timeout_s=timeout_s,
+                host=r.weight_sync_host or ray_module().util.get_node_ip_address(),
+            )  # fmt: skip
+            self._pusher_actors = [id(a) for a in actors]
+        return self._pusher.push(self.engine.export_weights(), version).metrics()
 
     def state_dict(self) -> dict[str, Any] | None:
         state = self.engine.state_dict()
