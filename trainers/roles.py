@@ -12,6 +12,7 @@ talk only to these; ``Roles.close()`` stops what was started here. docs/distribu
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,7 @@ class Roles:
     _reward_busy: float = 0.0
     _probe_ids: list[int] | None = None
     _probe_gap: float | None = None
+    _probe_s: float = 0.0
     _sync_metrics: dict[str, float] = field(default_factory=dict)
     _domain_busy: dict[str, float] = field(default_factory=dict)
 
@@ -167,9 +169,10 @@ class Roles:
             return
         if self._probe_ids is None:
             self._probe_ids = list(self.tokenizer(PROBE_TEXT).input_ids)
+        t0 = time.perf_counter()
         gap = probe_gap(self.rollout, policy, self._probe_ids, pad_token_id=self.tokenizer.pad_token_id or 0,
                         micro_batch_size=self.cfg.train.micro_batch_size)
-        self._probe_gap = gap
+        self._probe_gap, self._probe_s = gap, time.perf_counter() - t0
         check_probe(gap, probe_tol(self.cfg), engine=f"rollout.engine={r.engine}", version=version)
 
     def freeze_reference(self) -> Any:
@@ -210,9 +213,12 @@ class Roles:
     def rollout_metrics(self) -> dict[str, float]:
         """The rollout engine's own counters, where it keeps any (the server engine's
         ``server/*``: live, dropped and restarted servers, re-routed requests, errors, weight
-        updates, and ``server/drop_cause``, a string); ``{}`` for the others."""
+        updates, and ``server/drop_cause``, a string; ``sync/*`` of its last weight sync), the
+        probe's ``sync/probe_gap`` and ``time/probe`` (:meth:`check_weights`), and on Ray the
+        ``sync/*`` of train rank 0's direct sync; ``{}`` where there is none of these."""
         counts = getattr(self.rollout, "metrics", None)
-        out = {**self._sync_metrics, **({} if self._probe_gap is None else {"sync/probe_gap": self._probe_gap})}
+        probe = {} if self._probe_gap is None else {"sync/probe_gap": self._probe_gap, "time/probe": self._probe_s}
+        out = {**self._sync_metrics, **probe}
         if not callable(counts):
             return out
         return {**out, **{k: v if isinstance(v, str) else float(v) for k, v in counts().items()}}

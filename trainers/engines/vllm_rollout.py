@@ -638,7 +638,8 @@ class VLLMRolloutEngine:
         if self._pusher is None:
             bucket_bytes, timeout_s, workers = self._weight_sync_args
             self._pusher = WeightPusher(
-                [LLMTarget(self.llm, name=f"vllm engine {self.model_path.name!r}", workers=workers)],
+                [LLMTarget(self.llm, name=f"vllm engine {self.model_path.name!r}", workers=workers,
+                           local=self._in_process)],
                 mode=self.weight_sync,
                 bucket_bytes=bucket_bytes,
                 dtype=self.dtype,
