@@ -355,13 +355,7 @@ class HFRolloutEngine:
         pending: list[tuple[Tensor, Tensor]] = []
         covered: set[int] = set()
         for name, t in named_tensors:
-            if name not in targets:
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            dst = targets[name]
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(dst.shape)}"
-                )
+            dst = _target_of(targets, name, t)
             pending.append((dst, t))
             covered.add(id(dst))
         missing = [n for i, n in params.items() if i not in covered]
@@ -387,20 +381,12 @@ class HFRolloutEngine:
         covered: set[int] = set()
         stats = SyncStats()
         self._needs_weights, self._stale_why = True, "left half-loaded by a failed update"
-        with torch.no_grad():
-            for name, t in named_tensors:
-                if name not in targets:
-                    raise KeyError(f"update_weights: unknown parameter {name!r}")
-                dst = targets[name]
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(dst.shape)}"
-                    )
-                if id(dst) not in covered:
-                    dst.copy_(t.detach().to(device=dst.device, dtype=dst.dtype))
-                    covered.add(id(dst))
-                    stats.tensors += 1
-                    stats.dense_bytes += dst.numel() * dst.element_size()
+        for name, t in named_tensors:
+            dst = _copy_in(targets, name, t)
+            if id(dst) not in covered:
+                covered.add(id(dst))
+                stats.tensors += 1
+                stats.dense_bytes += dst.numel() * dst.element_size()
         missing = [n for i, n in params.items() if i not in covered]
         if missing:
             raise KeyError(
@@ -422,14 +408,8 @@ class HFRolloutEngine:
     def _load_bucket(self, weights: list[tuple[str, Tensor]]) -> None:
         self._needs_weights, self._stale_why = True, "left half-loaded by a failed update"
         targets = self.model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, t in weights:
-                if name not in targets:
-                    raise KeyError(f"update_weights: unknown parameter {name!r}")
-                dst = targets[name]
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise ValueError(f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(dst.shape)}")
-                dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+        for name, t in weights:
+            _copy_in(targets, name, t)
 
     def _finished(self, version: int) -> None:
         if version >= 0:
@@ -486,6 +466,26 @@ class HFRolloutEngine:
     @property
     def is_sleeping(self) -> bool:
         return self._sleep_level > 0
+
+
+def _target_of(targets: dict[str, Tensor], name: str, t: Tensor) -> Tensor:
+    """The model's tensor ``name`` for an update's ``t``: an unknown name is a ``KeyError``, another
+    shape a ``ValueError``, each naming the tensor."""
+    if name not in targets:
+        raise KeyError(f"update_weights: unknown parameter {name!r}")
+    dst = targets[name]
+    if tuple(t.shape) != tuple(dst.shape):
+        raise ValueError(f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(dst.shape)}")
+    return dst
+
+
+@torch.no_grad()
+def _copy_in(targets: dict[str, Tensor], name: str, t: Tensor) -> Tensor:
+    """Copy ``t`` into the model's tensor ``name`` (checked by :func:`_target_of`, cast to its dtype
+    and device); returns the model's tensor."""
+    dst = _target_of(targets, name, t)
+    dst.copy_(t.detach().to(device=dst.device, dtype=dst.dtype))
+    return dst
 
 
 def build_hf_rollout(cfg: Any, model: Any, tokenizer: Any, *, device: str) -> HFRolloutEngine:

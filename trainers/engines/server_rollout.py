@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +37,7 @@ from trainers.engines.requests import Request, _check_new
 from trainers.engines.server_pool import ServerPool
 from trainers.engines.vllm_rollout import _check_cpu_head_size, _checkpoint_shapes
 from trainers.engines.vllm_server import LocalServer, ServerClient, ServerError, launch_servers, stop_servers
-from trainers.engines.weight_sync import MODES, SyncStats, Target, WeightPusher
+from trainers.engines.weight_sync import MODES, SyncStats, Target, WeightPusher, checked_weights
 from trainers.models import save_model
 from trainers.vision import image_inputs
 
@@ -98,51 +98,13 @@ def weights_to_send(
     dtype: str,
 ) -> dict[str, Tensor]:
     """The tensors of an update, checked against the checkpoint's names and ``shapes`` (when
-    known) before anything is sent, detached, cast to ``dtype`` and moved to CPU; a tied
-    ``lm_head.weight`` is dropped (it is the embedding)."""
-    cast = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    out: dict[str, Tensor] = {}
-    for name, t in named_tensors:
-        if name == "lm_head.weight" and tied:
-            continue
-        if shapes is not None:
-            if name not in shapes:
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            if tuple(t.shape) != shapes[name]:
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}"
-                )
-        out[name] = t.detach().to(device="cpu", dtype=cast).contiguous()
-    if shapes is not None and (missing := sorted(set(shapes) - set(out))):
-        raise KeyError(f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-    return out
+    known) before anything is sent (:func:`~trainers.engines.weight_sync.checked_weights`),
+    detached, cast to ``dtype`` and moved to CPU; a tied ``lm_head.weight`` is dropped."""
+    cast = _CASTS[dtype]
+    return {n: t.detach().to(device="cpu", dtype=cast).contiguous() for n, t in checked_weights(named_tensors, shapes, tied)}
 
 
 _CASTS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def checked_weights(
-    named_tensors: Iterable[tuple[str, Tensor]],
-    shapes: dict[str, tuple[int, ...]] | None,
-    tied: bool,
-) -> Iterator[tuple[str, Tensor]]:
-    """:func:`weights_to_send`'s checks on a stream, as each tensor passes (a tied ``lm_head.weight``
-    dropped); at its end a checkpoint tensor left out is a ``KeyError``."""
-    seen: set[str] = set()
-    for name, t in named_tensors:
-        if name == "lm_head.weight" and tied:
-            continue
-        if shapes is not None:
-            if name not in shapes:
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            if tuple(t.shape) != shapes[name]:
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}"
-                )
-        seen.add(name)
-        yield name, t
-    if shapes is not None and (missing := sorted(set(shapes) - seen)):
-        raise KeyError(f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
 
 def sync_host(url: str) -> str:
@@ -166,6 +128,7 @@ class HTTPTarget(Target):
 
     def __init__(self, client: ServerClient, name: str, *, timeout_s: float) -> None:
         self.client, self.name, self.timeout_s = client, name, float(timeout_s)
+        self.shares_cores = sync_host(client.url) == "127.0.0.1"  # a server on this machine
         answer = client.get("/get_world_size?include_dp=false", timeout=timeout_s)
         self.workers = int(answer.get("world_size", 1)) if isinstance(answer, dict) else 1
 

@@ -40,6 +40,7 @@ from trainers.engines.weight_sync import (
     LLMTarget,
     SyncStats,
     WeightPusher,
+    checked_weights,
     register,
 )
 from trainers.models import save_model
@@ -565,25 +566,8 @@ class VLLMRolloutEngine:
         if self.weight_sync != "reload":
             self._push(itertools.chain([] if first is None else [first], stream), version)
             return
-        named = [] if first is None else [first, *stream]
-        weights: list[tuple[str, Tensor]] = []
-        seen: set[str] = set()
-        for name, t in named:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if name not in self._shapes:
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            if tuple(t.shape) != self._shapes[name]:
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(self._shapes[name])}"
-                )
-            weights.append((name, t.detach().to(device="cpu", dtype=self.dtype).contiguous()))
-            seen.add(name)
-        missing = sorted(set(self._shapes) - seen)
-        if missing:
-            raise KeyError(
-                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
-            )
+        named = checked_weights([] if first is None else [first, *stream], self._shapes, self.tie_word_embeddings)
+        weights = [(n, t.detach().to(device="cpu", dtype=self.dtype).contiguous()) for n, t in named]
         if self._in_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         else:
@@ -610,27 +594,6 @@ class VLLMRolloutEngine:
         self._needs_weights = False
         self.policy_version = int(version)
 
-    def _checked(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-        """The stream, each name and shape checked against the checkpoint as it passes (a tied
-        ``lm_head.weight`` dropped); at its end, a checkpoint tensor left out is a ``KeyError``."""
-        seen: set[str] = set()
-        for name, t in named:
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if name not in self._shapes:
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            if tuple(t.shape) != self._shapes[name]:
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(self._shapes[name])}"
-                )
-            seen.add(name)
-            yield name, t
-        missing = sorted(set(self._shapes) - seen)
-        if missing:
-            raise KeyError(
-                f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
-            )
-
     def _push(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
         """``weight_sync`` buckets / delta: stream through vLLM's weight-transfer API
         (:class:`~trainers.engines.weight_sync.WeightPusher`). A stream that fails half-way (a bad
@@ -647,7 +610,7 @@ class VLLMRolloutEngine:
                 timeout_s=timeout_s,
             )
         try:
-            self.last_sync = self._pusher.push(self._checked(named), version)
+            self.last_sync = self._pusher.push(checked_weights(named, self._shapes, self.tie_word_embeddings), version)
         except BaseException:
             self._needs_weights, self._stale_why = True, "left half-loaded by a failed update"
             raise

@@ -26,8 +26,12 @@ patches, and the check after every sync.
   to; a receiver at another version refuses it by name, and the sender then sends everything
   dense.
 
+A receiver in the sender's own process (the in-process ``vllm.LLM``, ``Target.local``) takes the
+bucket's tensors in the update call itself: the same calls, no group, no copy through a socket.
+
 **The check** (``rollout.weight_check``, on by default): every receiver (:class:`Receiver`)
-digests what it loaded (sha256 per tensor, :func:`digest`) and reports it with the version; the
+digests what it loaded (xxh3-128 per tensor where ``xxhash`` is installed, else CRC-32:
+:func:`digest`) and reports it with the version; the
 sender compares with its own digests of what it sent, and a mismatch fails the sync with a
 one-line error naming the engine, the version and the first tensor that differs
 (:class:`WeightSyncError`). The probe (a few sampled tokens' log-probs from the rollout against
@@ -38,9 +42,10 @@ Where the sender runs elsewhere (train rank 0 on Ray), an engine offers itself a
 :class:`EngineTarget` (``sync_target()``): a vLLM engine's workers receive, an HF engine receives
 in its own process and copies each bucket into its parameters.
 
-Metrics of a sync (:class:`SyncStats`): ``sync/seconds``, ``sync/bytes`` (on the wire),
-``sync/dense_bytes`` (what a full update would move), ``sync/delta_frac`` (their ratio),
-``sync/probe_gap``.
+Metrics of a sync (:class:`SyncStats`): ``sync/seconds``, ``sync/bytes`` (the buckets' tensor
+bytes, over all engines), ``sync/dense_bytes`` (what a full update would move),
+``sync/delta_frac`` (their ratio), ``sync/buckets``, ``sync/peak_bucket_bytes``; the loops add
+``sync/probe_gap`` and ``time/probe``.
 
 Example (the wire format without a transport)::
 
@@ -71,19 +76,25 @@ from trainers.engines.base import SamplingParams, batch_logprobs, pack_generatio
 
 __all__ = [
     "BACKEND",
+    "DIGEST",
     "MODES",
+    "PROBE_TEXT",
+    "EngineTarget",
     "GlooGroup",
+    "LLMTarget",
     "Patch",
+    "Receiver",
     "SyncStats",
+    "Target",
     "WeightPusher",
     "WeightSyncError",
     "apply_patch",
+    "check_probe",
+    "checked_weights",
     "digest",
     "encode",
     "iter_buckets",
     "pack_bucket",
-    "PROBE_TEXT",
-    "check_probe",
     "probe_gap",
     "register",
     "unpack_bucket",
@@ -142,6 +153,34 @@ def iter_buckets(
         size += nb
     if bucket:
         yield bucket
+
+
+def checked_weights(
+    named: Iterable[tuple[str, Tensor]],
+    shapes: dict[str, tuple[int, ...]] | None,
+    tied: bool,
+) -> Iterator[tuple[str, Tensor]]:
+    """An update's ``(name, tensor)`` stream checked against the checkpoint's names and ``shapes``
+    (when known) as each tensor passes, a tied ``lm_head.weight`` dropped (it is the embedding):
+    an unknown name is a ``KeyError``, a wrong shape a ``ValueError``, and at the stream's end a
+    checkpoint tensor left out a ``KeyError``, each naming the tensor.
+
+    >>> list(n for n, _ in checked_weights([("a", torch.ones(2)), ("lm_head.weight", torch.ones(2))], {"a": (2,)}, True))
+    ['a']
+    """
+    seen: set[str] = set()
+    for name, t in named:
+        if name == "lm_head.weight" and tied:
+            continue
+        if shapes is not None:
+            if name not in shapes:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            if tuple(t.shape) != shapes[name]:
+                raise ValueError(f"update_weights: {name!r} has shape {list(t.shape)}, expected {list(shapes[name])}")
+        seen.add(name)
+        yield name, t
+    if shapes is not None and (missing := sorted(set(shapes) - seen)):
+        raise KeyError(f"update_weights: missing parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
 
 # --------------------------------------------------------------------------- digests
@@ -643,6 +682,9 @@ class Target:
     #: the receiving workers run in the sender's process (an in-process ``vllm.LLM``): the bucket's
     #: tensors are handed over in the update call itself, no group, no copy through a socket
     local: bool = False
+    #: the receiver runs on the sender's machine, on its cores (a local server): such targets take
+    #: each bucket one after another, the others in parallel
+    shares_cores: bool = False
 
     def init(self, init_info: dict[str, Any]) -> None: ...
     def start(self) -> None: ...
@@ -788,7 +830,7 @@ class WeightPusher:
         self._buffers: list[Tensor] = []  # two packed-bucket buffers, reused from bucket to bucket
         self.shadow: dict[str, Tensor] = {}
         self.shadow_version = -1
-        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.targets) + 1, thread_name_prefix="rollkit-sync")
+        self._pool = ThreadPoolExecutor(max_workers=3 * len(self.targets) + 2, thread_name_prefix="rollkit-sync")
 
     # ---------------------------------------------------------------- plumbing
 
@@ -902,7 +944,7 @@ class WeightPusher:
                 stats: SyncStats, sent: dict[str, str], live: list[Target]) -> None:
         """Pipelined: while the targets receive and load bucket i, this thread prepares bucket i+1
         (cast, encode, digest, pack), so at most two buckets are alive at a time."""
-        inflight: list[tuple[Target, Any, Any]] = []
+        inflight: list[Any] = []
         held: Tensor | None = None  # the buffer of the bucket in flight
         for bucket in iter_buckets(named, self.bucket_bytes, self.dtype):
             patches = []
@@ -929,9 +971,11 @@ class WeightPusher:
             if held is not None:
                 self._buffers.append(held)  # landed: its buffer is free again
             held = None if flat is None else (flat if flat._base is None else flat._base)
-            inflight = [(t, self._pool.submit(t.update, {**info, "patches": patches}), None) if t.local else
-                        (t, self._pool.submit(t.update, info), self._pool.submit(self.groups[id(t)].broadcast, flat))
-                        for t in live]
+            # targets sharing this machine's cores take the bucket one after another (two CPU
+            # servers loading at once spin against each other: measured 5x slower on 2 cores);
+            # the others in parallel
+            chains = [[t] for t in live if not t.shares_cores] + [[t for t in live if t.shares_cores]]
+            inflight = [self._pool.submit(self._send, chain, info, patches, flat) for chain in chains if chain]
             stats.bytes += size * len(live)
             stats.tensors += len(patches)
             stats.buckets += 1
@@ -941,17 +985,28 @@ class WeightPusher:
             self._buffers.append(held)
         stats.dense_bytes *= max(1, len(live))
 
-    def _land(self, inflight: list[tuple[Target, Any, Any]], live: list[Target], stats: SyncStats) -> None:
-        """Wait for a bucket's control calls and broadcasts; a target that failed leaves ``live``."""
+    def _send(self, chain: list[Target], info: dict[str, Any], patches: list[Patch], flat: Tensor | None) -> dict[Target, str]:
+        """One bucket to each target of ``chain`` in turn (its ``update_weights`` call and the
+        broadcast side by side; a local target gets the patches in the call); the failures."""
         failed: dict[Target, str] = {}
-        for t, call, cast in inflight:
-            for what, f in (("update_weights", call), ("the broadcast", cast)):
-                if f is None:
-                    continue
+        for t in chain:
+            if t.local:
+                calls = [("update_weights", self._pool.submit(t.update, {**info, "patches": patches}))]
+            else:
+                calls = [("update_weights", self._pool.submit(t.update, info)),
+                         ("the broadcast", self._pool.submit(self.groups[id(t)].broadcast, flat))]
+            for what, f in calls:
                 try:
                     f.result(timeout=self.timeout_s)
                 except BaseException as e:  # recorded per target
                     failed.setdefault(t, _why(what, e))
+        return failed
+
+    def _land(self, inflight: list[Any], live: list[Target], stats: SyncStats) -> None:
+        """Wait for a bucket's chains; a target that failed leaves ``live``."""
+        failed: dict[Target, str] = {}
+        for f in inflight:
+            failed.update(f.result(timeout=self.timeout_s * max(1, len(live))))
         self._fail(live, failed, stats)
 
     def _end_failed(self, live: list[Target]) -> None:
