@@ -385,15 +385,23 @@ class GlooGroup:
     """A torch.distributed gloo group of its own (a ``TCPStore`` rendezvous, not the default group):
     rank 0 is the trainer, ranks 1.. the rollout workers. Every call has the group's deadline."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, *, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *, timeout_s: float,
+                 store: Any = None) -> None:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=float(timeout_s))
         self.rank, self.world_size = int(rank), int(world_size)
-        self.store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0, timeout=timeout,
-                                   wait_for_workers=False)
+        self.store = store if store is not None else self.open_store(host, port, rank, world_size, timeout_s)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rollkit-weights", self.store), self.rank,
                                         self.world_size, timeout)
+
+    @staticmethod
+    def open_store(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
+        """The rendezvous store: rank 0 listens (returns at once), the others connect to it."""
+        import torch.distributed as dist
+
+        return dist.TCPStore(host, int(port), int(world_size), is_master=int(rank) == 0,
+                             timeout=datetime.timedelta(seconds=float(timeout_s)), wait_for_workers=False)
 
     def broadcast(self, t: Tensor) -> None:
         self.pg.broadcast(t, 0).wait()
@@ -841,10 +849,14 @@ class WeightPusher:
             self._joined.add(id(t))  # nothing to open
         for t in [t for t in targets if not t.local]:
             port = _free_port()
+            world = 1 + t.workers
+            # listening before the workers are told where: a worker that connects too early waits
+            # out TCPStore's retry back-off (measured: 0.5 s)
+            store = GlooGroup.open_store(self.host, port, 0, world, self.timeout_s)
             info = {"master_address": self.host, "master_port": port, "rank_offset": 1,
-                    "world_size": 1 + t.workers, "timeout_s": self.timeout_s, "engine": t.name}
+                    "world_size": world, "timeout_s": self.timeout_s, "engine": t.name}
             pending.append((t, port, self._pool.submit(t.init, info),
-                            self._pool.submit(GlooGroup, self.host, port, 0, 1 + t.workers, timeout_s=self.timeout_s)))
+                            self._pool.submit(GlooGroup, self.host, port, 0, world, timeout_s=self.timeout_s, store=store)))
         for t, _, call, group in pending:
             try:
                 call.result(timeout=self.timeout_s)
@@ -1040,10 +1052,13 @@ class WeightPusher:
         for t in self.targets:
             t.forget()
 
-    def close(self) -> None:
+    def _close_groups(self) -> None:
         for g in self.groups.values():
             g.close()
         self.groups.clear()
+
+    def close(self) -> None:
+        self._close_groups()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
