@@ -1074,13 +1074,15 @@ PROBE_TEXT = "Probe: 3 + 4 = 7, 12 + 5 ="
 
 
 def probe_gap(rollout: Any, policy: Any, prompt_ids: Sequence[int], *, pad_token_id: int,
-              tokens: int = 8, samples: int = 2, micro_batch_size: int = 8, seed: int = 1234) -> float:
+              tokens: int = 4, samples: int = 1, micro_batch_size: int = 8, seed: int = 1234) -> float:
     """The largest |log-prob difference| between what ``rollout`` reports for ``samples`` sampled
     continuations (``tokens`` each, temperature 1, untruncated) of ``prompt_ids`` and what
     ``policy`` (a train engine, or a Ray train group with ``batch_logprobs``) computes for them.
 
     Equal weights give the kernels' noise (about 1e-6 in float32 on CPU, measured); weights that
-    did not arrive, or arrived mapped wrongly, give the distance between two models."""
+    did not arrive, or arrived mapped wrongly, give the distance between two models. The default
+    (one sample of 4 tokens) costs 0.27 s per sync with SmolLM2-135M on the in-process vLLM engine
+    (2-core EPYC; 0.58 s with 2 x 8 tokens), about 3% of the recipe's step."""
     gens = rollout.generate([list(prompt_ids)], SamplingParams(n=samples, max_tokens=tokens, temperature=1.0, seed=seed))
     b = pack_generations(gens, pad_token_id)
     lp = batch_logprobs(policy, b, temperature=1.0, micro_batch_size=micro_batch_size)
