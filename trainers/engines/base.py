@@ -27,16 +27,19 @@ Log-prob convention: ``logprobs[b, t] = log softmax(logits / temperature)[token]
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from trainers.vision import collate, image_inputs
 
+T = TypeVar("T")
+
 __all__ = [
+    "size_groups",
     "Generation",
     "PackedBatch",
     "RolloutEngine",
@@ -300,6 +303,27 @@ def _select(items: list[Any], rows: slice | Tensor) -> list[Any]:
     if rows.dtype == torch.bool:
         rows = rows.nonzero().flatten()
     return [items[int(i)] for i in rows.flatten().tolist()]
+
+
+def size_groups(items: Iterable[T], size: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """Consecutive groups of ``items`` whose ``size`` sums to at most ``limit`` (an item larger
+    than ``limit`` is a group of its own), pulled from ``items`` one group at a time: ZeRO-3's
+    export gathers (elements), the weight sync's buckets (bytes).
+
+    >>> list(size_groups([3, 3, 5, 1], int, 6))
+    [[3, 3], [5, 1]]
+    """
+    group: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if group and total + n > limit:
+            yield group
+            group, total = [], 0
+        group.append(item)
+        total += n
+    if group:
+        yield group
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:

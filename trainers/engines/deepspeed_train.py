@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from trainers.deps import require
+from trainers.engines.base import size_groups
 from trainers.engines.compiled import adamw, prepare_model
 from trainers.engines.lora import is_lora, lora_export_weights, save_lora
 from trainers.engines.offload import Offloadable, reachable_tensors, resident, state_tensors
@@ -481,17 +482,8 @@ class DeepSpeedTrainEngine(Offloadable):
     # ------------------------------------------------------------------ weights / checkpoints
 
     def _param_groups(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
-        group: list[tuple[str, torch.nn.Parameter]] = []
-        size = 0
-        for name, p in self.model.named_parameters():
-            n = int(getattr(p, "ds_numel", p.numel()))
-            if group and size + n > EXPORT_GROUP_NUMEL:
-                yield group
-                group, size = [], 0
-            group.append((name, p))
-            size += n
-        if group:
-            yield group
+        return size_groups(self.model.named_parameters(), lambda np: int(getattr(np[1], "ds_numel", np[1].numel())),
+                           EXPORT_GROUP_NUMEL)
 
     @resident
     def save_model(self, path: str | Path, tokenizer: Any = None) -> Path:

@@ -39,7 +39,8 @@ from torch import Tensor
 from trainers.deps import require
 from trainers.engines.base import Generation, SamplingParams, position_ids_from_mask
 from trainers.engines.options import rollout_dtype
-from trainers.engines.weight_sync import MODES, EngineTarget, SyncStats
+from trainers.engines.weight_sync import MODES, SyncStats
+from trainers.engines.weight_transfer import EngineTarget
 from trainers.vision import collate, image_inputs, to_device, vision_token_ids
 from trainers.vision import position_ids as vision_position_ids
 
@@ -399,7 +400,7 @@ class HFRolloutEngine:
 
     def sync_target(self) -> EngineTarget:
         """This engine as the target of a sender elsewhere (train rank 0 on Ray, ``weight_sync``
-        buckets / delta): a :class:`~trainers.engines.weight_sync.Receiver` here whose tensors are
+        buckets / delta): a :class:`~trainers.engines.weight_transfer.Receiver` here whose tensors are
         checked by name and shape and copied into the parameters as each bucket arrives."""
         if self._target is None:
             self._target = EngineTarget("hf engine", load=self._load_bucket, finished=self._finished)

@@ -37,7 +37,8 @@ from trainers.engines.requests import Request, _check_new
 from trainers.engines.server_pool import ServerPool
 from trainers.engines.vllm_rollout import _check_cpu_head_size, _checkpoint_shapes
 from trainers.engines.vllm_server import LocalServer, ServerClient, ServerError, launch_servers, stop_servers
-from trainers.engines.weight_sync import MODES, SyncStats, Target, WeightPusher, checked_weights
+from trainers.engines.weight_sync import MODES, SyncStats, checked_weights
+from trainers.engines.weight_transfer import Target, WeightPusher
 from trainers.models import save_model
 from trainers.vision import image_inputs
 
@@ -180,7 +181,7 @@ def _check_text(ids: Sequence[int]) -> None:
 
 class ServerWeightSync:
     """``rollout.weight_sync`` buckets / delta for a server engine: a
-    :class:`~trainers.engines.weight_sync.WeightPusher` over the live servers (rebuilt, and so
+    :class:`~trainers.engines.weight_transfer.WeightPusher` over the live servers (rebuilt, and so
     dense, whenever they change), the drops of servers that fail a sync, and the replacements
     that wait for the next sync to get the current weights."""
 

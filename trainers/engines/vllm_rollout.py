@@ -33,14 +33,12 @@ from trainers.engines.base import Generation, SamplingParams, prompt_seed
 from trainers.engines.guard import child_pids, watch
 from trainers.engines.lora import ADAPTER_NAME, write_adapter
 from trainers.engines.options import dtype_name, rollout_dtype, rollout_lora
-from trainers.engines.weight_sync import (
-    BACKEND,
-    MODES,
+from trainers.engines.weight_sync import BACKEND, MODES, SyncStats, checked_weights
+from trainers.engines.weight_transfer import (
     EngineTarget,
     LLMTarget,
-    SyncStats,
     WeightPusher,
-    checked_weights,
+    refresh_tied_head,
     register,
 )
 from trainers.models import save_model
@@ -95,13 +93,7 @@ def _refresh_tied_lm_head(worker: Any) -> bool:
     With tied embeddings the checkpoint has no ``lm_head.weight``, so ``reload_weights``
     updates the embedding (which the head shares) but leaves the head's packed copy stale.
     """
-    model = worker.get_model()
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is None or method is None:
-        return False
-    method.process_weights_after_loading(head)
-    return True
+    return refresh_tied_head(worker.get_model())
 
 
 def _check_args(
@@ -596,7 +588,7 @@ class VLLMRolloutEngine:
 
     def _push(self, named: Iterable[tuple[str, Tensor]], version: int) -> None:
         """``weight_sync`` buckets / delta: stream through vLLM's weight-transfer API
-        (:class:`~trainers.engines.weight_sync.WeightPusher`). A stream that fails half-way (a bad
+        (:class:`~trainers.engines.weight_transfer.WeightPusher`). A stream that fails half-way (a bad
         name, a check that fails) leaves the engine refusing to generate until the next update."""
         if self._pusher is None:
             bucket_bytes, timeout_s, workers = self._weight_sync_args

@@ -43,7 +43,7 @@ from trainers.engines.guard import guarded
 from trainers.engines.server_auth import API_KEY_ENV, check_api_key
 from trainers.engines.vllm_rollout import WORKER_EXTENSION, _refresh_tied_lm_head
 from trainers.engines.weight_sync import BACKEND as WEIGHT_TRANSFER_BACKEND
-from trainers.engines.weight_sync import register, worker_forget, worker_report
+from trainers.engines.weight_transfer import register, worker_forget, worker_report
 
 __all__ = [
     "LocalServer",

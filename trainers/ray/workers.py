@@ -46,7 +46,7 @@ from trainers.engines.build import (
 from trainers.engines.options import rollout_dtype
 from trainers.engines.requests import as_request_engine
 from trainers.engines.torch_train import TorchTrainEngine, response_hidden
-from trainers.engines.weight_sync import Target, WeightPusher
+from trainers.engines.weight_transfer import Target, WeightPusher
 from trainers.learner import UpdateSpec, ppo_update
 
 __all__ = [
@@ -349,7 +349,7 @@ class TrainWorker:
 
     def push_weights(self, actors: list[Any], version: int, timeout_s: float) -> dict[str, Any] | None:
         """``rollout.weight_sync`` buckets / delta on Ray: rank 0 streams its export straight to the
-        rollout actors (:class:`~trainers.engines.weight_sync.WeightPusher` over
+        rollout actors (:class:`~trainers.engines.weight_transfer.WeightPusher` over
         :class:`RayActorTarget` s, gloo groups of its own, opened once); every other rank drains
         the export (a collective where the engine gathers). Returns rank 0's sync metrics."""
         if self.rank != 0:
