@@ -363,9 +363,7 @@ class SyncStats:
     patched: int = 0
     full: bool = True
     peak_bucket_bytes: int = 0
-    probe_gap: float | None = None
     failed: dict[str, str] = field(default_factory=dict)
-    digests: dict[str, str] = field(default_factory=dict, repr=False)
 
     def metrics(self) -> dict[str, float]:
         m = {
@@ -377,8 +375,6 @@ class SyncStats:
             # the most bytes of buckets the sender held at once (the one in flight and the next, packed)
             "sync/peak_bucket_bytes": float(self.peak_bucket_bytes),
         }
-        if self.probe_gap is not None:
-            m["sync/probe_gap"] = self.probe_gap
         return m
 
 

@@ -593,7 +593,6 @@ class WeightPusher:
         self._fail(live, self._each(live, "finish_weight_update", lambda t: t.finish(version)), stats)
         if delta:
             self.shadow_version = int(version)
-        stats.digests = sent
         if self.check:
             bad = {}
             for t in live:
